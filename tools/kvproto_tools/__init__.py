@@ -1,0 +1,1 @@
+"""kvproto command-line tools: simulate, conformance, bench."""

@@ -1,0 +1,1 @@
+"""Transport bindings for kvproto: loopback, NIXL, UCX, and the conformance kit."""
