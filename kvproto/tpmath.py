@@ -115,7 +115,9 @@ def expected_consumers(holder_tp: int, reader_tp: int) -> int:
     return r if r > 0 else 1
 
 
-def read_slices(local_rank: int, local_tp: int, remote_tp: int, remote_rank: int) -> tuple[BlockSlice, BlockSlice]:
+def read_slices(
+    local_rank: int, local_tp: int, remote_tp: int, remote_rank: int
+) -> tuple[BlockSlice, BlockSlice]:
     """(local_slice, remote_slice) for a reader rank's read from one holder rank."""
     targets = target_remote_ranks(local_rank, local_tp, remote_tp)
     if remote_rank not in targets:

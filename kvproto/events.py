@@ -1,0 +1,142 @@
+"""What the core asks its binding to do, and what it tells it.
+
+The holder and the reader never act: they return these frozen records from
+``drain()``, and the binding carries them out (sends the bytes, frees the
+blocks, fails the request so it is recomputed).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from kvproto.tpmath import BlockSlice
+from kvproto.transport import PeerId
+
+
+class ReleaseReason(enum.IntEnum):
+    """Why a holder let a lease go (also the wire value in Revoke frames)."""
+
+    DONE = 1
+    """Every expected consumer reported its read done."""
+    EXPIRED = 2
+    """No heartbeat kept the lease alive past its deadline."""
+    ABORTED = 3
+    """The reader's request was aborted or rejected; nobody will read."""
+    REVOKED = 4
+    """The holder's owner revoked it (memory pressure)."""
+    MAX_HOLD = 5
+    """The lease reached the hard cap on hold time."""
+    PEER_LOST = 6
+    """The transport reported every reader of the lease gone."""
+
+
+class FailReason(enum.Enum):
+    """Why a reader must not use (or must stop waiting for) the remote blocks."""
+
+    LEASE_LOST = "lease-lost"
+    """The holder says it does not hold the lease (expired, unknown, another owner)."""
+    REVOKED = "revoked"
+    """The holder revoked the lease or it hit max_hold."""
+    HOLDER_RESTARTED = "holder-restarted"
+    """The holder engine is a new incarnation: the blocks are gone."""
+    DEADLINE_TOO_CLOSE = "deadline-too-close"
+    """The lease might end before a read could finish; the read was not started."""
+    FENCED_LATE = "fenced-late"
+    """The holder answered LATE to the done: the read may have overlapped a free."""
+    FENCED_NO_ACK = "fenced-no-ack"
+    """No answer to the done within ack_timeout: the read cannot be trusted."""
+    REFUSED = "refused"
+    """The holder refused the done (bad proof, another owner)."""
+    READ_FAILED = "read-failed"
+    """The transport reported the read failed."""
+    CONNECT_FAILED = "connect-failed"
+    """The holder could not be reached."""
+    BAD_TICKET = "bad-ticket"
+    """The ticket is unusable (wrong TP layout, expired before arrival)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SendFrame:
+    """Send ``payload`` to ``peer`` as one notification."""
+
+    peer: PeerId
+    """Destination."""
+    payload: bytes
+    """The frame, already encoded and sized to the transport's limit."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FreeBlocks:
+    """Holder: the lease ended; the blocks may be reused now."""
+
+    lease: int
+    """Lease id."""
+    request_id: str
+    """The holder's request id the blocks belong to."""
+    reason: ReleaseReason
+    """Why."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Connect:
+    """Reader: make ``(engine, rank)`` reachable, then call ``reader.connected``."""
+
+    engine: str
+    """Holder engine id."""
+    rank: int
+    """Holder TP rank."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestFailed:
+    """Reader: the request cannot use the remote blocks; recompute it."""
+
+    request_id: str
+    """The reader's request id."""
+    reason: FailReason
+    """Why."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReadConfirmed:
+    """Reader: every holder rank confirmed the lease was held through the read."""
+
+    request_id: str
+    """The reader's request id; its loaded blocks are safe to use."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReadOrder:
+    """One transfer a reader rank must issue for a request (one per holder rank)."""
+
+    holder_rank: int
+    """Holder TP rank to read from."""
+    peer: PeerId
+    """That rank's transport peer."""
+    notify: bytes
+    """The done frame to attach to the read (arrives after the data)."""
+    local_slice: BlockSlice
+    """Which part of each local block this read fills."""
+    remote_slice: BlockSlice
+    """Which part of each remote block this read takes."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReadGo:
+    """Reader: start these transfers now."""
+
+    orders: tuple[ReadOrder, ...]
+    """One per holder rank this reader rank reads from."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReadDeclined:
+    """Reader: do not read; the request was failed with ``reason`` (see RequestFailed)."""
+
+    reason: FailReason
+    """Why the read was not started."""
+
+
+HolderOutput = SendFrame | FreeBlocks
+ReaderOutput = SendFrame | Connect | RequestFailed | ReadConfirmed

@@ -1,0 +1,661 @@
+"""The holder: keeps KV blocks alive exactly as long as a reader may still read them.
+
+Sans-I/O, in the manner of aioquic's ``QuicConnection``: every input carries
+``now``; :meth:`Holder.get_timer` says when the holder next needs
+:meth:`Holder.handle_timer`; :meth:`Holder.drain` returns what the binding
+must do (send these frames, free these blocks). The life cycle and the
+session keep-alive are explained in :mod:`kvproto.states`.
+
+Cost model (the reason for the data structures):
+
+* A heartbeat is O(1 + changes it carries): it renews its *session*, and a
+  lease is live while any session holding it is.
+* Expiry uses two lazy min-heaps (leases on their own or hard deadline,
+  sessions on their keep-alive deadline). Each lease and session has at most
+  one canonical heap entry, so a call costs O(ended · log n) and an idle call
+  is O(1) — whatever order leases were renewed in (vLLM #58222 stopped at the
+  first live entry of an insertion-ordered dict and stranded expired ones).
+"""
+
+from __future__ import annotations
+
+import heapq
+import hmac
+import secrets
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
+
+from kvproto import legacy, wire
+from kvproto.config import LeaseConfig
+from kvproto.errors import LocalProtocolError, RemoteProtocolError
+from kvproto.events import FreeBlocks, HolderOutput, ReleaseReason, SendFrame
+from kvproto.ratelimit import ReplayWindow, TokenBucket
+from kvproto.states import LeaseInput, LeaseState, lease_next
+from kvproto.stats import HolderStats
+from kvproto.ticket import LeaseMint, LeaseTicket, claim_proof
+from kvproto.tpmath import expected_consumers
+from kvproto.transport import PeerId
+from kvproto.wire import DoneVerdict, RejectReason
+
+_END_STATE_COUNTER = {
+    ReleaseReason.DONE: "released_done",
+    ReleaseReason.EXPIRED: "expired",
+    ReleaseReason.ABORTED: "aborted",
+    ReleaseReason.REVOKED: "revoked",
+    ReleaseReason.MAX_HOLD: "max_hold",
+    ReleaseReason.PEER_LOST: "peer_lost",
+}
+# Upper bounds of one list item's msgpack size, used to split frames without
+# re-encoding: a uint64 is at most 9 bytes, a float 9, a 16-byte bin 18.
+_ID_BYTES = 9
+_HELD_BYTES = 1 + _ID_BYTES + 9
+_FRAME_OVERHEAD = 64
+
+
+class _Lease:
+    __slots__ = (
+        "consumers",
+        "expected",
+        "granted_at",
+        "hard_deadline",
+        "heap_due",
+        "lease",
+        "legacy_done",
+        "own_deadline",
+        "owner",
+        "proof",
+        "request_id",
+        "sessions",
+        "state",
+        "token",
+    )
+
+    def __init__(self, ticket: LeaseTicket, now: float, max_hold: float) -> None:
+        self.lease = ticket.lease
+        self.request_id = ticket.request_id
+        self.token = ticket.token
+        self.state = LeaseState.GRANTED
+        self.granted_at = now
+        self.own_deadline = now + ticket.expires_in
+        self.hard_deadline = now + max_hold
+        self.heap_due: float | None = None
+        self.owner: str | None = None
+        self.proof = b""
+        self.expected = 0
+        self.consumers: dict[int, int] = {}
+        self.legacy_done = 0
+        self.sessions: set[_Session] = set()
+
+
+class _Session:
+    __slots__ = (
+        "count",
+        "deadline",
+        "digest",
+        "engine",
+        "heap_due",
+        "incarnation",
+        "key",
+        "leases",
+        "peer",
+        "rank",
+        "serial",
+        "tp_size",
+        "window",
+    )
+
+    def __init__(self, serial: int, peer: PeerId, hello: wire.Hello, key: bytes | None) -> None:
+        self.serial = serial
+        self.peer = peer
+        self.engine = hello.engine
+        self.rank = hello.rank
+        self.tp_size = hello.tp_size
+        self.incarnation = hello.incarnation
+        self.key = key
+        self.deadline = float("-inf")
+        self.heap_due: float | None = None
+        self.window = ReplayWindow()
+        self.leases: set[int] = set()
+        self.count = 0
+        self.digest = 0
+
+
+class Holder:
+    """Lease state for one holder rank. See the module docstring."""
+
+    def __init__(
+        self,
+        config: LeaseConfig,
+        *,
+        engine: str,
+        incarnation: int,
+        rank: int = 0,
+        tp_size: int = 1,
+        entropy: Callable[[int], bytes] = secrets.token_bytes,
+    ) -> None:
+        if not 0 <= rank < tp_size:
+            raise LocalProtocolError(f"rank {rank} outside TP size {tp_size}")
+        self.config = config
+        self.engine = engine
+        self.incarnation = incarnation
+        self.rank = rank
+        self.tp_size = tp_size
+        self.stats = HolderStats()
+        self._entropy = entropy
+        self._mint = LeaseMint(
+            engine=engine,
+            incarnation=incarnation,
+            tp_size=tp_size,
+            params=config.params,
+            entropy=entropy,
+        )
+        self._leases: dict[int, _Lease] = {}
+        self._by_request: dict[str, int] = {}
+        self._lease_heap: list[tuple[float, int]] = []
+        self._session_heap: list[tuple[float, int]] = []
+        self._sessions: dict[PeerId, _Session] = {}
+        self._by_serial: dict[int, _Session] = {}
+        self._serial = 0
+        self._tombstones: deque[tuple[float, int]] = deque()
+        self._buckets: OrderedDict[PeerId, TokenBucket] = OrderedDict()
+        self._live = {LeaseState.GRANTED: 0, LeaseState.HELD: 0}
+        self._out: list[HolderOutput] = []
+
+    # ------------------------------------------------------------------ API
+
+    def grant(self, now: float, *, request_id: str, ttl: float | None = None) -> LeaseTicket:
+        """Grant a lease on the blocks of ``request_id``; the ticket goes to the reader.
+
+        ``ttl`` defaults to ``kv_lease_duration``; pass ``decoder_kv_blocks_ttl``
+        for bidirectional turn-2 blocks.
+        """
+        lifetime = self.config.kv_lease_duration if ttl is None else ttl
+        if lifetime <= 0 or lifetime > self.config.max_hold:
+            raise LocalProtocolError(f"lease ttl {lifetime} outside (0, max_hold]")
+        ticket = self._mint.mint(now, request_id=request_id, ttl=lifetime)
+        self.adopt(now, ticket)
+        return ticket
+
+    def adopt(self, now: float, ticket: LeaseTicket) -> None:
+        """Hold a lease minted elsewhere for this engine (vLLM: by the scheduler).
+
+        The deadline is taken relative to ``now`` on this clock, so holders in
+        processes with unrelated clocks never free early (vLLM #50326).
+        """
+        if ticket.holder_engine != self.engine or ticket.holder_incarnation != self.incarnation:
+            raise LocalProtocolError("ticket was minted for another holder engine or incarnation")
+        if ticket.lease in self._leases:
+            raise LocalProtocolError(f"lease {ticket.lease} already held")
+        if ticket.request_id and ticket.request_id in self._by_request:
+            raise LocalProtocolError(f"request {ticket.request_id!r} already has a lease")
+        lease = _Lease(ticket, now, self.config.max_hold)
+        self._leases[lease.lease] = lease
+        if lease.request_id:
+            self._by_request[lease.request_id] = lease.lease
+        self._live[LeaseState.GRANTED] += 1
+        self.stats.grants += 1
+        self._schedule_lease(lease)
+
+    def revoke(self, now: float, lease_id: int) -> None:
+        """Free a live lease now (memory pressure) and tell its readers to recompute."""
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            raise LocalProtocolError(f"unknown lease {lease_id}")
+        lease_next(lease.state, LeaseInput.REVOKE)  # raises if already ended
+        self._send_revoke(lease, ReleaseReason.REVOKED)
+        self._end(now, lease, LeaseInput.REVOKE, ReleaseReason.REVOKED)
+
+    def peer_lost(self, now: float, peer: PeerId) -> None:
+        """The transport says ``peer`` is gone: end the leases only its session held."""
+        session = self._sessions.pop(peer, None)
+        if session is not None:
+            self._forget_session(now, session, lost=True)
+        self._buckets.pop(peer, None)
+
+    def handle_frame(self, now: float, peer: PeerId, data: bytes) -> None:
+        """Apply one notification. Bad input is dropped and counted, never raised."""
+        if len(data) > self.config.max_frame_bytes:
+            self.stats.oversize += 1
+            return
+        if not self._bucket(peer, now).take(now):
+            self.stats.rate_limited += 1
+            return
+        if not wire.is_kvproto_frame(data):
+            self._handle_legacy(now, peer, data)
+            return
+        session = self._sessions.get(peer)
+        try:
+            msg = self._decode(data, session)
+        except RemoteProtocolError:
+            self.stats.malformed += 1
+            return
+        if isinstance(msg, wire.Hello):
+            self._on_hello(now, peer, msg)
+        elif session is None:
+            self.stats.no_session += 1
+            seq = msg.seq if isinstance(msg, wire.Heartbeat) else 0
+            self._send_plain(peer, wire.Reject(reason=RejectReason.NO_SESSION, seq=seq))
+        elif isinstance(msg, wire.Heartbeat):
+            self._on_heartbeat(now, session, msg)
+        elif isinstance(msg, wire.Done):
+            self._on_done(now, session, msg.claim)
+        else:
+            self.stats.unexpected_frames += 1
+
+    def get_timer(self) -> float | None:
+        """The next time :meth:`handle_timer` has work, or None."""
+        times = []
+        if self._lease_heap:
+            times.append(self._lease_heap[0][0])
+        if self._session_heap:
+            times.append(self._session_heap[0][0])
+        if self._tombstones:
+            times.append(self._tombstones[0][0])
+        return min(times) if times else None
+
+    def handle_timer(self, now: float) -> None:
+        """End every lease whose deadline passed by ``now``. O(1) when nothing is due."""
+        while self._session_heap and self._session_heap[0][0] <= now:
+            due, serial = heapq.heappop(self._session_heap)
+            session = self._by_serial.get(serial)
+            if session is None or session.heap_due != due:
+                continue
+            session.heap_due = None
+            if session.deadline > now:
+                if session.leases:
+                    self._schedule_session(session)
+            else:
+                for lease_id in list(session.leases):
+                    self._detach(self._leases[lease_id], session)
+        while self._lease_heap and self._lease_heap[0][0] <= now:
+            due, lease_id = heapq.heappop(self._lease_heap)
+            lease = self._leases.get(lease_id)
+            if lease is None or lease.heap_due != due or lease.state.terminal:
+                continue
+            lease.heap_due = None
+            if now >= lease.hard_deadline:
+                self._send_revoke(lease, ReleaseReason.MAX_HOLD)
+                self._end(now, lease, LeaseInput.DEADLINE, ReleaseReason.MAX_HOLD)
+            elif self._live_until(lease) <= now:
+                self._end(now, lease, LeaseInput.DEADLINE, ReleaseReason.EXPIRED)
+            else:
+                self._schedule_lease(lease)
+        while self._tombstones and self._tombstones[0][0] <= now:
+            self._forget(self._tombstones.popleft()[1])
+
+    def drain(self) -> list[HolderOutput]:
+        """Everything the binding must do now, in order."""
+        out, self._out = self._out, []
+        return out
+
+    # ------------------------------------------------------------ queries
+
+    def lease_state(self, lease_id: int) -> LeaseState | None:
+        """State of a lease, or None if it is unknown or forgotten."""
+        lease = self._leases.get(lease_id)
+        return None if lease is None else lease.state
+
+    def deadline(self, lease_id: int) -> float:
+        """The time a live lease lapses unless renewed (max of own and session deadlines)."""
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.state.terminal:
+            raise LocalProtocolError(f"lease {lease_id} is not live")
+        return min(self._live_until(lease), lease.hard_deadline)
+
+    def live_leases(self) -> int:
+        """Leases whose blocks are still held."""
+        return self._live[LeaseState.GRANTED] + self._live[LeaseState.HELD]
+
+    def stats_snapshot(self) -> dict[str, int]:
+        """Counters plus gauges (leases by state, sessions)."""
+        snap = self.stats.snapshot()
+        snap["leases_granted"] = self._live[LeaseState.GRANTED]
+        snap["leases_held"] = self._live[LeaseState.HELD]
+        snap["sessions"] = len(self._sessions)
+        snap["tombstones"] = len(self._tombstones)
+        return snap
+
+    # ------------------------------------------------------------ frames
+
+    def _decode(self, data: bytes, session: _Session | None) -> wire.Message:
+        secret = self.config.auth_secret
+        if secret is None:
+            return wire.decode(data)
+        if session is not None and session.key is not None:
+            try:
+                return wire.decode(data, session.key)
+            except RemoteProtocolError:
+                pass  # maybe a fresh Hello from a restarted reader, signed with the secret
+        msg = wire.decode(data, secret)
+        if not isinstance(msg, wire.Hello):
+            raise RemoteProtocolError("only Hello may be signed with the shared secret")
+        return msg
+
+    def _on_hello(self, now: float, peer: PeerId, hello: wire.Hello) -> None:
+        old = self._sessions.get(peer)
+        if old is not None and old.incarnation != hello.incarnation:
+            # The same transport name with a new incarnation: the old reader died.
+            del self._sessions[peer]
+            self._forget_session(now, old, lost=True)
+            old = None
+        if old is None:
+            try:
+                expected_consumers(self.tp_size, hello.tp_size)
+            except LocalProtocolError:
+                self.stats.limit_refusals += 1
+                self._send_plain(peer, wire.Reject(reason=RejectReason.TOO_MANY))
+                return
+            if len(self._sessions) >= self.config.max_sessions and not self._evict_idle_session():
+                self.stats.limit_refusals += 1
+                self._send_plain(peer, wire.Reject(reason=RejectReason.TOO_MANY))
+                return
+        server_nonce = self._entropy(16)
+        key = None
+        if self.config.auth_secret is not None:
+            key = wire.mac(self.config.auth_secret, b"session" + hello.nonce + server_nonce)
+        if old is None:
+            self._serial += 1
+            session = _Session(self._serial, peer, hello, key)
+            self._sessions[peer] = session
+            self._by_serial[session.serial] = session
+        else:
+            old.key = key
+        welcome = wire.Welcome(
+            engine=self.engine,
+            rank=self.rank,
+            tp_size=self.tp_size,
+            incarnation=self.incarnation,
+            nonce=hello.nonce,
+            server_nonce=server_nonce,
+            params=self.config.params,
+            clock=now,
+        )
+        self._out.append(
+            SendFrame(peer=peer, payload=wire.encode(welcome, self.config.auth_secret))
+        )
+
+    def _on_heartbeat(self, now: float, session: _Session, hb: wire.Heartbeat) -> None:
+        n_ids = len(hb.claims) + len(hb.aborts) + (len(hb.full) if hb.full is not None else 0)
+        if n_ids > self.config.max_ids_per_frame:
+            self.stats.limit_refusals += 1
+            return
+        if not session.window.accept(hb.seq):
+            self.stats.replayed += 1
+            return
+        self.stats.heartbeats += 1
+        renewed = now + self.config.lease_extension
+        session.deadline = max(session.deadline, renewed)
+        if session.leases and session.heap_due is None:
+            self._schedule_session(session)
+        held: list[tuple[int, float]] = []
+        lost: list[int] = []
+        for claim in hb.claims:
+            lease = self._claim(now, session, claim)
+            if lease is None:
+                lost.append(claim.lease)
+            else:
+                held.append((lease.lease, min(self._live_until(lease), lease.hard_deadline) - now))
+        for claim in hb.aborts:
+            self._abort(now, session, claim)
+        if hb.full is not None:
+            self._resync(session, hb.full, lost)
+        resync = hb.full is None and (session.count != hb.count or session.digest != hb.digest)
+        if resync:
+            self.stats.resyncs += 1
+        self._send_acks(session=session, seq=hb.seq, now=now, held=held, lost=lost, resync=resync)
+
+    def _send_acks(
+        self,
+        *,
+        session: _Session,
+        seq: int,
+        now: float,
+        held: list[tuple[int, float]],
+        lost: list[int],
+        resync: bool,
+    ) -> None:
+        room = max(1, (self.config.frame_budget - _FRAME_OVERHEAD) // _HELD_BYTES)
+        first = True
+        while first or held or lost:
+            first = False
+            part_held, held = held[:room], held[room:]
+            left = room - len(part_held)
+            part_lost, lost = lost[:left], lost[left:]
+            ack = wire.HeartbeatAck(
+                seq=seq, clock=now, held=part_held, lost=part_lost, resync=resync
+            )
+            self._send_session(session, ack)
+
+    def _claim(self, now: float, session: _Session, claim: wire.Claim) -> _Lease | None:
+        lease = self._check_claim(session, claim)
+        if lease is None or lease.state.terminal:
+            return None
+        if lease.lease in session.leases:
+            return lease
+        if len(session.leases) >= self.config.max_leases_per_session:
+            self.stats.limit_refusals += 1
+            return None
+        self._transition(lease, LeaseInput.CLAIM)
+        self._attach(lease, session)
+        return lease
+
+    def _check_claim(self, session: _Session, claim: wire.Claim) -> _Lease | None:
+        """The lease, if the proof is right and no other engine owns it; else count and None."""
+        lease = self._leases.get(claim.lease)
+        if lease is None:
+            self.stats.unknown_lease += 1
+            return None
+        if lease.owner is not None and lease.owner != session.engine:
+            self.stats.owner_mismatch += 1
+            return None
+        proof = lease.proof or claim_proof(lease.token, session.engine, lease.lease)
+        if not hmac.compare_digest(proof, claim.proof):
+            self.stats.bad_proof += 1
+            return None
+        if lease.owner is None and not lease.state.terminal:
+            lease.owner = session.engine
+            lease.proof = proof
+            lease.expected = expected_consumers(self.tp_size, session.tp_size)
+            self.stats.claims += 1
+        return lease
+
+    def _abort(self, now: float, session: _Session, claim: wire.Claim) -> None:
+        lease = self._check_claim(session, claim)
+        if lease is None:
+            return
+        if lease.state.terminal:
+            lease_next(lease.state, LeaseInput.ABORT)  # an explicit "late" row: stays ended
+            return
+        self._end(now, lease, LeaseInput.ABORT, ReleaseReason.ABORTED)
+
+    def _resync(self, session: _Session, deltas: list[int], lost: list[int]) -> None:
+        wanted = set(wire.delta_decode(deltas))
+        for lease_id in session.leases - wanted:
+            self._detach(self._leases[lease_id], session)
+        for lease_id in wanted - session.leases:
+            lease = self._leases.get(lease_id)
+            if (
+                lease is None
+                or lease.state.terminal
+                or lease.owner != session.engine
+                or len(session.leases) >= self.config.max_leases_per_session
+            ):
+                lost.append(lease_id)
+            else:
+                self._attach(lease, session)
+
+    def _on_done(self, now: float, session: _Session, claim: wire.Claim) -> None:
+        self.stats.done_frames += 1
+        lease = self._check_claim(session, claim)
+        if lease is None:
+            verdict = DoneVerdict.REFUSED
+        elif lease.consumers.get(session.rank) is not None and (
+            lease.state is LeaseState.RELEASED or not lease.state.terminal
+        ):
+            # A duplicate from a consumer already counted: same answer as before.
+            self.stats.duplicate_done += 1
+            verdict = DoneVerdict.HELD
+        elif lease.state.terminal:
+            self.stats.late_done += 1
+            lease_next(lease.state, LeaseInput.DONE)
+            verdict = DoneVerdict.LATE
+        else:
+            lease.consumers[session.rank] = session.incarnation
+            if len(lease.consumers) >= lease.expected:
+                self._end(now, lease, LeaseInput.LAST_DONE, ReleaseReason.DONE)
+            else:
+                self._transition(lease, LeaseInput.DONE)
+                if lease.lease in session.leases:
+                    self._detach(lease, session)
+            verdict = DoneVerdict.HELD
+        self._send_session(session, wire.DoneAck(lease=claim.lease, verdict=verdict))
+
+    def _handle_legacy(self, now: float, peer: PeerId, data: bytes) -> None:
+        if not self.config.accept_legacy:
+            self.stats.malformed += 1
+            return
+        try:
+            frame = legacy.parse(data)
+        except RemoteProtocolError:
+            self.stats.malformed += 1
+            return
+        self.stats.legacy_frames += 1
+        owner = "legacy:" + peer
+        ids = (
+            frame.request_ids if isinstance(frame, legacy.LegacyHeartbeat) else (frame.request_id,)
+        )
+        if len(ids) > self.config.max_ids_per_frame:
+            self.stats.limit_refusals += 1
+            return
+        for request_id in ids:
+            lease_id = self._by_request.get(request_id)
+            lease = None if lease_id is None else self._leases.get(lease_id)
+            if lease is None:
+                self.stats.unknown_lease += 1
+                continue
+            if lease.owner is not None and lease.owner != owner:
+                self.stats.owner_mismatch += 1
+                continue
+            if lease.state.terminal:
+                if isinstance(frame, legacy.LegacyDone):
+                    self.stats.late_done += 1
+                continue
+            if lease.owner is None:
+                lease.owner = owner
+                self._transition(lease, LeaseInput.CLAIM)
+            if isinstance(frame, legacy.LegacyHeartbeat):
+                # Stock peers renew per lease; there is no session to renew.
+                lease.own_deadline = max(lease.own_deadline, now + self.config.lease_extension)
+                continue
+            # Stock vLLM counts raw notifications against the count the reader sends.
+            lease.legacy_done += 1
+            if lease.legacy_done >= frame.expected:
+                self._end(now, lease, LeaseInput.LAST_DONE, ReleaseReason.DONE)
+            else:
+                self._transition(lease, LeaseInput.DONE)
+
+    # -------------------------------------------------------- bookkeeping
+
+    def _transition(self, lease: _Lease, event: LeaseInput) -> None:
+        new = lease_next(lease.state, event)
+        if new is not lease.state:
+            self._live[lease.state] -= 1
+            if not new.terminal:
+                self._live[new] += 1
+            lease.state = new
+
+    def _end(self, now: float, lease: _Lease, event: LeaseInput, reason: ReleaseReason) -> None:
+        self._transition(lease, event)
+        for session in list(lease.sessions):
+            self._detach(lease, session, fall_back=False)
+        counter = _END_STATE_COUNTER[reason]
+        setattr(self.stats, counter, getattr(self.stats, counter) + 1)
+        self._out.append(FreeBlocks(lease=lease.lease, request_id=lease.request_id, reason=reason))
+        self._tombstones.append((now + self.config.tombstone_ttl, lease.lease))
+        if len(self._tombstones) > self.config.max_tombstones:
+            self._forget(self._tombstones.popleft()[1])
+
+    def _forget(self, lease_id: int) -> None:
+        lease = self._leases.pop(lease_id, None)
+        if lease is not None and self._by_request.get(lease.request_id) == lease_id:
+            del self._by_request[lease.request_id]
+
+    def _attach(self, lease: _Lease, session: _Session) -> None:
+        lease.sessions.add(session)
+        session.leases.add(lease.lease)
+        session.count += 1
+        session.digest = (session.digest + wire.id_hash(lease.lease)) & wire.MAX_U64
+        if session.heap_due is None and session.deadline != float("-inf"):
+            self._schedule_session(session)
+
+    def _detach(self, lease: _Lease, session: _Session, *, fall_back: bool = True) -> None:
+        """Take ``lease`` out of ``session``; it keeps what the session had given it."""
+        lease.sessions.discard(session)
+        session.leases.discard(lease.lease)
+        session.count -= 1
+        session.digest = (session.digest - wire.id_hash(lease.lease)) & wire.MAX_U64
+        if fall_back and not lease.state.terminal:
+            lease.own_deadline = max(lease.own_deadline, session.deadline)
+            if not lease.sessions:
+                self._schedule_lease(lease)
+
+    def _forget_session(self, now: float, session: _Session, *, lost: bool) -> None:
+        self._by_serial.pop(session.serial, None)
+        for lease_id in list(session.leases):
+            lease = self._leases[lease_id]
+            self._detach(lease, session, fall_back=False)
+            if lost and not lease.sessions:
+                self._end(now, lease, LeaseInput.PEER_LOST, ReleaseReason.PEER_LOST)
+
+    def _evict_idle_session(self) -> bool:
+        for peer, session in self._sessions.items():
+            if not session.leases:
+                del self._sessions[peer]
+                self._by_serial.pop(session.serial, None)
+                return True
+        return False
+
+    def _live_until(self, lease: _Lease) -> float:
+        until = lease.own_deadline
+        for session in lease.sessions:
+            until = max(until, session.deadline)
+        return until
+
+    def _schedule_lease(self, lease: _Lease) -> None:
+        due = (
+            lease.hard_deadline if lease.sessions else min(lease.own_deadline, lease.hard_deadline)
+        )
+        if lease.heap_due is not None and lease.heap_due <= due:
+            return  # the earlier canonical entry will fire and re-schedule
+        lease.heap_due = due
+        heapq.heappush(self._lease_heap, (due, lease.lease))
+
+    def _schedule_session(self, session: _Session) -> None:
+        session.heap_due = session.deadline
+        heapq.heappush(self._session_heap, (session.deadline, session.serial))
+
+    def _bucket(self, peer: PeerId, now: float) -> TokenBucket:
+        bucket = self._buckets.get(peer)
+        if bucket is None:
+            bucket = TokenBucket(self.config.rate_limit_per_s, self.config.rate_limit_burst, now)
+            self._buckets[peer] = bucket
+            if len(self._buckets) > 2 * self.config.max_sessions:
+                self._buckets.popitem(last=False)
+        else:
+            self._buckets.move_to_end(peer)
+        return bucket
+
+    def _send_revoke(self, lease: _Lease, reason: ReleaseReason) -> None:
+        for session in lease.sessions:
+            self._send_session(session, wire.Revoke(leases=[lease.lease], reason=int(reason)))
+
+    def _send_session(self, session: _Session, msg: wire.Message) -> None:
+        self._out.append(SendFrame(peer=session.peer, payload=wire.encode(msg, session.key)))
+
+    def _send_plain(self, peer: PeerId, msg: wire.Message) -> None:
+        self._out.append(SendFrame(peer=peer, payload=wire.encode(msg, self.config.auth_secret)))
+
+
+def ended(outputs: Iterable[HolderOutput]) -> list[FreeBlocks]:
+    """The FreeBlocks among a drain's outputs (a convenience for bindings and tests)."""
+    return [o for o in outputs if isinstance(o, FreeBlocks)]

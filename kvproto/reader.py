@@ -1,0 +1,697 @@
+"""The reader: heartbeats leases from scheduler entry, reads, and trusts data only when fenced.
+
+Sans-I/O like :mod:`kvproto.holder`. One :class:`Reader` serves one reader
+rank. For each holder rank it reads from it keeps a *session*
+(:class:`~kvproto.states.SessionState`): the binding is asked to make the
+holder reachable (:class:`~kvproto.events.Connect`), the reader says Hello,
+and once welcomed sends one heartbeat per tick (the holder's advertised
+interval). A heartbeat carries only changes (claims of newly tracked leases,
+aborts) until the holder acknowledges them, plus a count and digest of the
+leases the session holds, so it stays a few dozen bytes whatever the number
+of waiting requests.
+
+Reads are fenced twice:
+
+* before: :meth:`Reader.begin_read` declines when the lease may end within
+  ``read_margin`` — judged from a lower bound on the holder's deadline built
+  from acknowledged heartbeats (relative durations, no clock sync needed) or,
+  before any, from the ticket's deadline converted with the session's clock
+  offset estimate;
+* after: the done frame rides the READ; the loaded blocks count only after the
+  holder answers HELD (the lease was live when the done arrived, hence for the
+  whole read). LATE, REFUSED or silence for ``ack_timeout`` fail the request
+  so it is recomputed, never served from blocks that may have been reused.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvproto import wire
+from kvproto.clock import SkewEstimator, SkewSample
+from kvproto.config import LeaseConfig, LeaseParams
+from kvproto.errors import LocalProtocolError, RemoteProtocolError
+from kvproto.events import (
+    Connect,
+    FailReason,
+    ReadConfirmed,
+    ReadDeclined,
+    ReaderOutput,
+    ReadGo,
+    ReadOrder,
+    RequestFailed,
+    SendFrame,
+)
+from kvproto.states import (
+    READ_TRANSITIONS,
+    ReadInput,
+    ReadState,
+    SessionInput,
+    SessionState,
+    read_next,
+    session_next,
+)
+from kvproto.stats import ReaderStats
+from kvproto.ticket import LeaseTicket, claim_proof
+from kvproto.tpmath import read_slices, target_remote_ranks
+from kvproto.transport import PeerId
+
+SessionKey = tuple[str, int]
+"""(holder engine, holder rank)."""
+
+_HOLDER_ALREADY_ENDED = frozenset(
+    {FailReason.LEASE_LOST, FailReason.REVOKED, FailReason.HOLDER_RESTARTED}
+)
+_CLAIM_BYTES = 1 + 9 + 18
+_FRAME_OVERHEAD = 64
+_INFLIGHT_KEEP = 64
+
+
+@dataclass(slots=True)
+class _Part:
+    """A request's relation to one holder rank."""
+
+    rank: int
+    state: ReadState = ReadState.TRACKED
+    lower_bound: float = -math.inf
+    claimed_seq: float = math.inf
+    early_held: bool = False
+    done_frame: bytes = b""
+    ack_deadline: float = math.inf
+    next_resend: float = math.inf
+    resends: int = 0
+
+
+@dataclass(slots=True)
+class _Request:
+    request_id: str
+    ticket: LeaseTicket
+    proof: bytes
+    tracked_at: float
+    parts: dict[int, _Part]
+    failed: bool = False
+    confirmed: bool = False
+
+
+@dataclass(slots=True)
+class _Inflight:
+    sent: float
+    claims: tuple[int, ...]
+    aborts: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class _Session:
+    engine: str
+    rank: int
+    state: SessionState = SessionState.IDLE
+    peer: PeerId = ""
+    nonce: bytes = b""
+    hello_sent: float = -math.inf
+    key: bytes | None = None
+    params: LeaseParams | None = None
+    incarnation: int | None = None
+    seq: int = 0
+    next_beat: float = math.inf
+    leases: dict[int, str] = field(default_factory=dict)
+    count: int = 0
+    digest: int = 0
+    pending_claims: dict[int, bytes] = field(default_factory=dict)
+    pending_aborts: dict[int, bytes] = field(default_factory=dict)
+    inflight: dict[int, _Inflight] = field(default_factory=dict)
+    want_full: bool = False
+    in_sync_since: float = -math.inf
+    in_sync_seq: int = -1
+    skew: SkewEstimator = field(default_factory=SkewEstimator)
+
+
+class Reader:
+    """Reader-side lease state for one reader rank. See the module docstring."""
+
+    def __init__(
+        self,
+        config: LeaseConfig,
+        *,
+        engine: str,
+        incarnation: int,
+        rank: int = 0,
+        tp_size: int = 1,
+        entropy: Callable[[int], bytes] = secrets.token_bytes,
+    ) -> None:
+        if not 0 <= rank < tp_size:
+            raise LocalProtocolError(f"rank {rank} outside TP size {tp_size}")
+        self.config = config
+        self.engine = engine
+        self.incarnation = incarnation
+        self.rank = rank
+        self.tp_size = tp_size
+        self.stats = ReaderStats()
+        self._entropy = entropy
+        self._drift = config.max_drift_ppm * 1e-6
+        self._requests: dict[str, _Request] = {}
+        self._sessions: dict[SessionKey, _Session] = {}
+        self._by_peer: dict[PeerId, list[_Session]] = {}
+        self._awaiting: set[tuple[str, int]] = set()
+        self._by_lease: dict[tuple[str, int], str] = {}
+        self._out: list[ReaderOutput] = []
+
+    # ------------------------------------------------------------------ API
+
+    def track(self, now: float, *, request_id: str, ticket: LeaseTicket) -> None:
+        """Start keeping ``ticket``'s lease alive: call when the request enters the scheduler."""
+        if request_id in self._requests:
+            raise LocalProtocolError(f"request {request_id!r} is already tracked")
+        self.stats.tracked += 1
+        try:
+            targets = target_remote_ranks(self.rank, self.tp_size, ticket.holder_tp_size)
+        except LocalProtocolError:
+            targets = []
+        proof = claim_proof(ticket.token, self.engine, ticket.lease)
+        req = _Request(request_id, ticket, proof, now, {r: _Part(rank=r) for r in targets})
+        self._requests[request_id] = req
+        self._by_lease[(ticket.holder_engine, ticket.lease)] = request_id
+        if not targets:
+            self._fail(now, req, FailReason.BAD_TICKET)
+            return
+        for rank in targets:
+            session = self._session(ticket.holder_engine, rank)
+            if session.incarnation is not None and session.incarnation != ticket.holder_incarnation:
+                self._fail(now, req, FailReason.HOLDER_RESTARTED)
+                return
+            if session.skew.known and self._ticket_bound(req, session, now) <= now:
+                self._fail(now, req, FailReason.BAD_TICKET)
+                return
+        for rank in targets:
+            session = self._session(ticket.holder_engine, rank)
+            self._need(now, session)
+            self._hold(session, ticket.lease, request_id)
+            session.pending_claims[ticket.lease] = proof
+            if session.next_beat == math.inf and session.state is SessionState.OPEN:
+                session.next_beat = now + self._interval(session)
+
+    def finish(self, now: float, request_id: str) -> None:
+        """The request left the scheduler (finished, aborted, rejected): stop tracking it.
+
+        If the blocks were not read (or not confirmed), the holder is told to
+        free them now instead of waiting for the lease to lapse (vLLM #41269).
+        """
+        req = self._pop(request_id)
+        for part in req.parts.values():
+            if part.state in (ReadState.CONFIRMED, ReadState.FAILED, ReadState.FINISHED):
+                continue
+            part.state = read_next(part.state, ReadInput.FINISH)
+            self._awaiting.discard((request_id, part.rank))
+            self._abort_at(now, req, part.rank)
+
+    def ready_to_read(self, request_id: str) -> bool:
+        """Every holder rank this request reads from has an open session."""
+        req = self._get(request_id)
+        return all(
+            self._sessions[(req.ticket.holder_engine, r)].state is SessionState.OPEN
+            for r in req.parts
+        )
+
+    def begin_read(self, now: float, request_id: str) -> ReadGo | ReadDeclined:
+        """Decide whether to read now. ``ReadGo`` lists one transfer per holder rank."""
+        req = self._get(request_id)
+        if req.failed:
+            raise LocalProtocolError(f"request {request_id!r} already failed")
+        if not self.ready_to_read(request_id):
+            raise LocalProtocolError(f"request {request_id!r} has no open session yet")
+        bound = min(self._deadline_bound(req, rank, now) for rank in req.parts)
+        if now + self.config.read_margin >= bound:
+            self.stats.declined += 1
+            self._fail(now, req, FailReason.DEADLINE_TOO_CLOSE)
+            return ReadDeclined(reason=FailReason.DEADLINE_TOO_CLOSE)
+        orders = []
+        for rank, part in req.parts.items():
+            session = self._sessions[(req.ticket.holder_engine, rank)]
+            part.state = read_next(part.state, ReadInput.BEGIN_READ)
+            done = wire.Done(claim=wire.Claim(lease=req.ticket.lease, proof=req.proof))
+            part.done_frame = wire.encode(done, session.key)
+            local_slice, remote_slice = read_slices(
+                self.rank, self.tp_size, req.ticket.holder_tp_size, rank
+            )
+            orders.append(
+                ReadOrder(
+                    holder_rank=rank,
+                    peer=session.peer,
+                    notify=part.done_frame,
+                    local_slice=local_slice,
+                    remote_slice=remote_slice,
+                )
+            )
+        self.stats.reads_started += len(orders)
+        return ReadGo(orders=tuple(orders))
+
+    def read_completed(self, now: float, request_id: str, holder_rank: int) -> None:
+        """The transport says the read from ``holder_rank`` landed; await the verdict."""
+        req = self._get(request_id)
+        part = self._part(req, holder_rank)
+        if part.state is ReadState.FAILED:
+            return
+        part.state = read_next(part.state, ReadInput.READ_DONE)
+        session = self._sessions[(req.ticket.holder_engine, holder_rank)]
+        self._release(session, req.ticket.lease)
+        if part.early_held:
+            self._held(req, part)
+            return
+        part.ack_deadline = now + self.config.ack_timeout
+        part.next_resend = now + self.config.ack_timeout / (self.config.done_retries + 1)
+        self._awaiting.add((request_id, holder_rank))
+
+    def read_failed(self, now: float, request_id: str, holder_rank: int) -> None:
+        """The transport says the read from ``holder_rank`` failed: recompute."""
+        req = self._get(request_id)
+        self._part(req, holder_rank)
+        self._fail(now, req, FailReason.READ_FAILED)
+
+    def connected(self, now: float, *, engine: str, rank: int, peer: PeerId) -> None:
+        """The binding made holder ``(engine, rank)`` reachable as ``peer``: say Hello."""
+        session = self._sessions.get((engine, rank))
+        if session is None:
+            raise LocalProtocolError(f"no session was asked for {(engine, rank)}")
+        session.state = session_next(session.state, SessionInput.CONNECTED)
+        if session.peer != peer:
+            if session.peer:
+                self._by_peer[session.peer].remove(session)
+            session.peer = peer
+            self._by_peer.setdefault(peer, []).append(session)
+        self._hello(now, session)
+
+    def connect_failed(self, now: float, *, engine: str, rank: int) -> None:
+        """The binding could not reach holder ``(engine, rank)``: its requests recompute."""
+        session = self._sessions.get((engine, rank))
+        if session is None:
+            raise LocalProtocolError(f"no session was asked for {(engine, rank)}")
+        self._break(now, session, FailReason.CONNECT_FAILED)
+
+    def peer_lost(self, now: float, peer: PeerId) -> None:
+        """The transport says ``peer`` is gone: the blocks it held are gone too."""
+        for session in list(self._by_peer.get(peer, ())):
+            self._break(now, session, FailReason.LEASE_LOST)
+
+    def handle_frame(self, now: float, peer: PeerId, data: bytes) -> None:
+        """Apply one notification from a holder. Bad input is dropped and counted."""
+        sessions = self._by_peer.get(peer)
+        if not sessions or len(data) > self.config.max_frame_bytes:
+            self.stats.unexpected_frames += 1
+            return
+        session = sessions[-1]
+        try:
+            msg = self._decode(data, session)
+        except RemoteProtocolError:
+            self.stats.malformed += 1
+            return
+        if isinstance(msg, wire.Welcome):
+            self._on_welcome(now, session, msg)
+        elif session.state is not SessionState.OPEN:
+            self.stats.unexpected_frames += 1
+        elif isinstance(msg, wire.HeartbeatAck):
+            self._on_ack(now, session, msg)
+        elif isinstance(msg, wire.DoneAck):
+            self._on_done_ack(now, session, msg)
+        elif isinstance(msg, wire.Revoke):
+            for lease in msg.leases:
+                self._lease_failed(now, session, lease, FailReason.REVOKED)
+        elif isinstance(msg, wire.Reject):
+            self._on_reject(now, session, msg)
+        else:
+            self.stats.unexpected_frames += 1
+
+    def get_timer(self) -> float | None:
+        """The next time :meth:`handle_timer` has work, or None."""
+        times = [s.next_beat for s in self._sessions.values()]
+        for rid, rank in self._awaiting:
+            part = self._requests[rid].parts[rank]
+            times.append(min(part.ack_deadline, part.next_resend))
+        best = min(times, default=math.inf)
+        return None if best == math.inf else best
+
+    def handle_timer(self, now: float) -> None:
+        """Send due heartbeats, re-send unacknowledged dones, fence reads whose ack is late."""
+        for session in list(self._sessions.values()):
+            if session.next_beat <= now:
+                if session.state is SessionState.HELLO_SENT:
+                    self._hello(now, session)
+                elif session.state is SessionState.OPEN:
+                    self._beat(now, session)
+                else:
+                    session.next_beat = math.inf
+        for rid, rank in list(self._awaiting):
+            req = self._requests[rid]
+            part = req.parts[rank]
+            if part.ack_deadline <= now:
+                self._fail(now, req, FailReason.FENCED_NO_ACK)
+            elif part.next_resend <= now:
+                session = self._sessions[(req.ticket.holder_engine, rank)]
+                self.stats.done_resent += 1
+                part.resends += 1
+                step = self.config.ack_timeout / (self.config.done_retries + 1)
+                part.next_resend = (
+                    now + step if part.resends < self.config.done_retries else math.inf
+                )
+                self._out.append(SendFrame(peer=session.peer, payload=part.done_frame))
+
+    def drain(self) -> list[ReaderOutput]:
+        """Everything the binding must do now, in order."""
+        out, self._out = self._out, []
+        return out
+
+    # ------------------------------------------------------------ queries
+
+    def state(self, request_id: str) -> dict[int, ReadState]:
+        """Holder rank → state of this request."""
+        return {r: p.state for r, p in self._get(request_id).parts.items()}
+
+    def session_state(self, engine: str, rank: int) -> SessionState:
+        """State of the session with holder ``(engine, rank)``."""
+        session = self._sessions.get((engine, rank))
+        return SessionState.IDLE if session is None else session.state
+
+    def skew(self, engine: str, rank: int) -> SkewEstimator | None:
+        """The clock-offset estimate towards a holder rank, if a session exists."""
+        session = self._sessions.get((engine, rank))
+        return None if session is None else session.skew
+
+    def deadline_bound(self, now: float, request_id: str) -> float:
+        """Earliest local time any holder rank of this request may free its blocks."""
+        req = self._get(request_id)
+        return min((self._deadline_bound(req, r, now) for r in req.parts), default=-math.inf)
+
+    def tracked(self) -> int:
+        """Requests currently tracked."""
+        return len(self._requests)
+
+    # ------------------------------------------------------------ frames
+
+    def _decode(self, data: bytes, session: _Session) -> wire.Message:
+        secret = self.config.auth_secret
+        if secret is None:
+            return wire.decode(data)
+        if session.key is not None:
+            try:
+                return wire.decode(data, session.key)
+            except RemoteProtocolError:
+                pass
+        msg = wire.decode(data, secret)
+        if not isinstance(msg, (wire.Welcome, wire.Reject)):
+            raise RemoteProtocolError(
+                "only Welcome and Reject may be signed with the shared secret"
+            )
+        return msg
+
+    def _hello(self, now: float, session: _Session) -> None:
+        session.nonce = self._entropy(16)
+        session.hello_sent = now
+        hello = wire.Hello(
+            engine=self.engine,
+            rank=self.rank,
+            tp_size=self.tp_size,
+            incarnation=self.incarnation,
+            nonce=session.nonce,
+        )
+        self._out.append(
+            SendFrame(peer=session.peer, payload=wire.encode(hello, self.config.auth_secret))
+        )
+        session.next_beat = now + self._interval(session)  # re-Hello if no Welcome by then
+
+    def _on_welcome(self, now: float, session: _Session, msg: wire.Welcome) -> None:
+        if (
+            session.state is not SessionState.HELLO_SENT
+            or msg.nonce != session.nonce
+            or msg.engine != session.engine
+            or msg.rank != session.rank
+        ):
+            self.stats.unexpected_frames += 1
+            return
+        session.state = session_next(session.state, SessionInput.WELCOME)
+        session.skew.add(SkewSample(sent=session.hello_sent, peer=msg.clock, received=now))
+        session.params = msg.params
+        session.incarnation = msg.incarnation
+        if self.config.auth_secret is not None:
+            session.key = wire.mac(
+                self.config.auth_secret, b"session" + msg.nonce + msg.server_nonce
+            )
+        for lease, rid in list(session.leases.items()):
+            req = self._requests.get(rid)
+            if req is not None and req.ticket.holder_incarnation != msg.incarnation:
+                self._fail(now, req, FailReason.HOLDER_RESTARTED)
+            elif req is not None and self._ticket_bound(req, session, now) <= now:
+                self._fail(now, req, FailReason.LEASE_LOST)
+            else:
+                session.pending_claims.setdefault(lease, self._proof_of(rid))
+        self._beat(now, session)  # at once: vLLM dropped the heartbeat of the handshake tick
+
+    def _on_ack(self, now: float, session: _Session, ack: wire.HeartbeatAck) -> None:
+        sent = session.inflight.get(ack.seq)
+        if sent is None:
+            self.stats.unexpected_frames += 1
+            return
+        self.stats.acks += 1
+        session.skew.add(SkewSample(sent=sent.sent, peer=ack.clock, received=now))
+        for lease in sent.aborts:
+            session.pending_aborts.pop(lease, None)
+        for lease, left in ack.held:
+            if session.pending_claims.pop(lease, None) is None and lease not in sent.claims:
+                continue
+            rid = session.leases.get(lease)
+            req = None if rid is None else self._requests.get(rid)
+            if req is None:
+                continue
+            part = req.parts[session.rank]
+            part.lower_bound = max(part.lower_bound, sent.sent + left * (1 - self._drift))
+            part.claimed_seq = min(part.claimed_seq, ack.seq)
+            if (part.state, ReadInput.CLAIM_ACKED) in READ_TRANSITIONS:
+                part.state = read_next(part.state, ReadInput.CLAIM_ACKED)
+        for lease in ack.lost:
+            session.pending_claims.pop(lease, None)
+            self._lease_failed(now, session, lease, FailReason.LEASE_LOST)
+        if ack.resync:
+            session.want_full = True
+        elif ack.seq > session.in_sync_seq:
+            # Count and digest matched: when this heartbeat arrived the holder held
+            # exactly our lease set, so every lease claimed by then lives at least
+            # until arrival + extension, and arrival came after sending.
+            session.in_sync_seq = ack.seq
+            session.in_sync_since = sent.sent
+
+    def _on_done_ack(self, now: float, session: _Session, msg: wire.DoneAck) -> None:
+        req, part = self._find(session, msg.lease)
+        if req is None or part is None:
+            self.stats.unexpected_frames += 1
+            return
+        if msg.verdict == wire.DoneVerdict.HELD:
+            if part.state is ReadState.READING:
+                part.early_held = True
+            elif part.state is ReadState.AWAITING_ACK:
+                self._held(req, part)
+            else:
+                self.stats.unexpected_frames += 1
+        elif part.state in (ReadState.READING, ReadState.AWAITING_ACK):
+            self.stats.fenced += 1
+            late = msg.verdict == wire.DoneVerdict.LATE
+            self._fail(now, req, FailReason.FENCED_LATE if late else FailReason.REFUSED)
+        else:
+            self.stats.unexpected_frames += 1
+
+    def _on_reject(self, now: float, session: _Session, msg: wire.Reject) -> None:
+        self.stats.rejects += 1
+        if msg.reason == wire.RejectReason.NO_SESSION:
+            session.state = session_next(session.state, SessionInput.REJECTED)
+            for lease, rid in session.leases.items():
+                session.pending_claims.setdefault(lease, self._proof_of(rid))
+            self._hello(now, session)
+        else:
+            self._break(now, session, FailReason.CONNECT_FAILED)
+
+    # ------------------------------------------------------------ heartbeats
+
+    def _beat(self, now: float, session: _Session) -> None:
+        """Send this tick's heartbeat(s); split to the frame budget, never truncated."""
+        session.next_beat = (
+            now + self._interval(session)
+            if (session.leases or session.pending_aborts)
+            else math.inf
+        )
+        claims = [wire.Claim(lease=lease, proof=p) for lease, p in session.pending_claims.items()]
+        aborts = [wire.Claim(lease=lease, proof=p) for lease, p in session.pending_aborts.items()]
+        full = wire.delta_encode(session.leases) if session.want_full else None
+        if full is not None:
+            self.stats.resyncs += 1
+            session.want_full = False
+        room = max(1, (self._budget() - _FRAME_OVERHEAD) // _CLAIM_BYTES)
+        if full is not None and len(full) > (self._budget() - _FRAME_OVERHEAD) // 9:
+            # Too many to list in one frame: fall back to explicit claims of every lease.
+            claims = [
+                wire.Claim(lease=lease, proof=self._proof_of(rid))
+                for lease, rid in session.leases.items()
+            ]
+            full = None
+        first = True
+        while first or claims or aborts:
+            first = False
+            part_claims, claims = claims[:room], claims[room:]
+            part_aborts, aborts = (
+                aborts[: room - len(part_claims)],
+                aborts[room - len(part_claims) :],
+            )
+            session.seq += 1
+            hb = wire.Heartbeat(
+                seq=session.seq,
+                claims=part_claims,
+                aborts=part_aborts,
+                count=session.count,
+                digest=session.digest,
+                full=full,
+            )
+            full = None
+            payload = wire.encode(hb, session.key)
+            session.inflight[session.seq] = _Inflight(
+                sent=now,
+                claims=tuple(c.lease for c in part_claims),
+                aborts=tuple(c.lease for c in part_aborts),
+            )
+            self.stats.heartbeats_sent += 1
+            self.stats.heartbeat_bytes += len(payload)
+            self._out.append(SendFrame(peer=session.peer, payload=payload))
+        while len(session.inflight) > _INFLIGHT_KEEP:
+            del session.inflight[next(iter(session.inflight))]
+
+    # ------------------------------------------------------------ helpers
+
+    def _session(self, engine: str, rank: int) -> _Session:
+        session = self._sessions.get((engine, rank))
+        if session is None:
+            session = _Session(engine=engine, rank=rank)
+            session.skew = SkewEstimator(max_drift_ppm=self.config.max_drift_ppm)
+            self._sessions[(engine, rank)] = session
+        return session
+
+    def _need(self, now: float, session: _Session) -> None:
+        before = session.state
+        session.state = session_next(session.state, SessionInput.NEED)
+        if before in (SessionState.IDLE, SessionState.BROKEN):
+            self._out.append(Connect(engine=session.engine, rank=session.rank))
+
+    def _hold(self, session: _Session, lease: int, request_id: str) -> None:
+        session.leases[lease] = request_id
+        session.count += 1
+        session.digest = (session.digest + wire.id_hash(lease)) & wire.MAX_U64
+
+    def _release(self, session: _Session, lease: int) -> bool:
+        if session.leases.pop(lease, None) is None:
+            return False
+        session.count -= 1
+        session.digest = (session.digest - wire.id_hash(lease)) & wire.MAX_U64
+        session.pending_claims.pop(lease, None)
+        return True
+
+    def _abort_at(self, now: float, req: _Request, rank: int) -> None:
+        session = self._sessions[(req.ticket.holder_engine, rank)]
+        lease = req.ticket.lease
+        self._release(session, lease)
+        if session.state is SessionState.OPEN:
+            session.pending_aborts[lease] = req.proof
+            self._beat(now, session)  # free the holder's memory now, not at the next tick
+
+    def _fail(self, now: float, req: _Request, reason: FailReason) -> None:
+        if req.failed or req.confirmed:
+            return
+        req.failed = True
+        if reason in (FailReason.LEASE_LOST, FailReason.REVOKED):
+            self.stats.lost += 1
+        for rank, part in req.parts.items():
+            was_started = part.state in (ReadState.READING, ReadState.AWAITING_ACK)
+            if part.state is not ReadState.FINISHED:
+                part.state = read_next(part.state, ReadInput.FAIL)
+            self._awaiting.discard((req.request_id, rank))
+            if was_started or reason not in _HOLDER_ALREADY_ENDED:
+                self._abort_at(now, req, rank)
+            else:
+                self._release(self._sessions[(req.ticket.holder_engine, rank)], req.ticket.lease)
+        self._out.append(RequestFailed(request_id=req.request_id, reason=reason))
+
+    def _held(self, req: _Request, part: _Part) -> None:
+        part.state = read_next(part.state, ReadInput.ACK_HELD)
+        self._awaiting.discard((req.request_id, part.rank))
+        if all(p.state is ReadState.CONFIRMED for p in req.parts.values()):
+            req.confirmed = True
+            self.stats.reads_confirmed += 1
+            self._out.append(ReadConfirmed(request_id=req.request_id))
+
+    def _lease_failed(self, now: float, session: _Session, lease: int, reason: FailReason) -> None:
+        req, part = self._find(session, lease)
+        if req is None or part is None:
+            return
+        self._fail(now, req, reason)
+
+    def _find(self, session: _Session, lease: int) -> tuple[_Request | None, _Part | None]:
+        rid = self._by_lease.get((session.engine, lease))
+        req = None if rid is None else self._requests.get(rid)
+        return req, None if req is None else req.parts.get(session.rank)
+
+    def _break(self, now: float, session: _Session, reason: FailReason) -> None:
+        session.state = session_next(session.state, SessionInput.LOST)
+        session.next_beat = math.inf
+        session.pending_claims.clear()
+        session.pending_aborts.clear()
+        session.inflight.clear()
+        session.key = None
+        for rid in {*session.leases.values()}:
+            req = self._requests.get(rid)
+            if req is not None:
+                self._fail(now, req, reason)
+        for rid, rank in list(self._awaiting):
+            req = self._requests[rid]
+            if rank == session.rank and req.ticket.holder_engine == session.engine:
+                self._fail(now, req, reason)
+
+    def _deadline_bound(self, req: _Request, rank: int, now: float) -> float:
+        session = self._sessions[(req.ticket.holder_engine, rank)]
+        part = req.parts[rank]
+        bound = max(part.lower_bound, self._ticket_bound(req, session, now))
+        if part.claimed_seq <= session.in_sync_seq and session.params is not None:
+            bound = max(bound, session.in_sync_since + session.params.extension * (1 - self._drift))
+        return bound
+
+    def _ticket_bound(self, req: _Request, session: _Session, now: float) -> float:
+        """The ticket's deadline in local time, conservatively; -inf without a clock sample."""
+        if not session.skew.known:
+            return -math.inf
+        return session.skew.peer_deadline_to_local(req.ticket.deadline, now)
+
+    def _interval(self, session: _Session) -> float:
+        params = session.params
+        if params is not None:
+            return params.interval
+        for rid in session.leases.values():
+            return self._requests[rid].ticket.params.interval
+        return self.config.heartbeat_interval
+
+    def _budget(self) -> int:
+        return self.config.frame_budget
+
+    def _proof_of(self, request_id: str) -> bytes:
+        return self._requests[request_id].proof
+
+    def _get(self, request_id: str) -> _Request:
+        req = self._requests.get(request_id)
+        if req is None:
+            raise LocalProtocolError(f"request {request_id!r} is not tracked")
+        return req
+
+    def _pop(self, request_id: str) -> _Request:
+        req = self._get(request_id)
+        del self._requests[request_id]
+        self._by_lease.pop((req.ticket.holder_engine, req.ticket.lease), None)
+        return req
+
+    def _part(self, req: _Request, rank: int) -> _Part:
+        part = req.parts.get(rank)
+        if part is None:
+            raise LocalProtocolError(f"request {req.request_id!r} does not read from rank {rank}")
+        return part

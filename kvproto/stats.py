@@ -1,0 +1,106 @@
+"""Counters and gauges kept by the core, for bindings to export.
+
+Plain integer attributes (cheap to bump on the hot path); ``snapshot()``
+returns them with stable names that the vLLM adapter turns into Prometheus
+metrics (``kvproto_<side>_<name>``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(slots=True)
+class HolderStats:
+    """Holder-side counters; gauges are filled in by ``Holder.stats_snapshot``."""
+
+    grants: int = 0
+    """Leases granted or adopted."""
+    claims: int = 0
+    """Leases claimed by a reader (first proof)."""
+    heartbeats: int = 0
+    """Heartbeat frames applied (each renews every lease of its session)."""
+    released_done: int = 0
+    """Leases freed because every consumer finished."""
+    expired: int = 0
+    """Leases freed because they lapsed."""
+    aborted: int = 0
+    """Leases freed because the reader aborted."""
+    revoked: int = 0
+    """Leases freed by local revocation."""
+    max_hold: int = 0
+    """Leases freed at the hard hold cap."""
+    peer_lost: int = 0
+    """Leases freed because their readers' transport peers were lost."""
+    done_frames: int = 0
+    """Done frames received."""
+    late_done: int = 0
+    """Done frames for a lease that had already ended (answered LATE)."""
+    duplicate_done: int = 0
+    """Done frames from a consumer already counted."""
+    unknown_lease: int = 0
+    """Frames naming a lease this holder never granted (or forgot)."""
+    bad_proof: int = 0
+    """Claims whose proof did not match the token."""
+    owner_mismatch: int = 0
+    """Frames for a lease claimed by another reader engine."""
+    malformed: int = 0
+    """Frames that did not parse (dropped)."""
+    oversize: int = 0
+    """Frames larger than max_frame_bytes (dropped)."""
+    rate_limited: int = 0
+    """Frames dropped by a peer's rate limit."""
+    replayed: int = 0
+    """Heartbeats whose sequence number was already seen (dropped)."""
+    no_session: int = 0
+    """Frames from a peer without a session (answered Reject)."""
+    limit_refusals: int = 0
+    """Sessions or claims refused by a configured cap."""
+    resyncs: int = 0
+    """Heartbeats answered with a resync request."""
+    legacy_frames: int = 0
+    """Stock-vLLM text frames applied."""
+    unexpected_frames: int = 0
+    """Well-formed frames of a kind a holder never receives."""
+
+    def snapshot(self) -> dict[str, int]:
+        """Counter name → value."""
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class ReaderStats:
+    """Reader-side counters."""
+
+    tracked: int = 0
+    """Requests tracked from scheduler entry."""
+    heartbeats_sent: int = 0
+    """Heartbeat frames sent."""
+    heartbeat_bytes: int = 0
+    """Bytes of heartbeat frames sent."""
+    acks: int = 0
+    """Heartbeat acknowledgements applied."""
+    reads_started: int = 0
+    """Read orders handed to the binding."""
+    reads_confirmed: int = 0
+    """Requests whose reads every holder rank confirmed."""
+    declined: int = 0
+    """Reads not started because the lease might end first."""
+    fenced: int = 0
+    """Reads discarded because the holder could not confirm the lease (LATE or no ack)."""
+    lost: int = 0
+    """Requests failed because the holder no longer held the lease."""
+    done_resent: int = 0
+    """Done frames re-sent for lack of an acknowledgement."""
+    malformed: int = 0
+    """Frames that did not parse (dropped)."""
+    unexpected_frames: int = 0
+    """Frames that make no sense in the current state (dropped)."""
+    rejects: int = 0
+    """Reject frames received."""
+    resyncs: int = 0
+    """Full lease lists sent on the holder's request."""
+
+    def snapshot(self) -> dict[str, int]:
+        """Counter name → value."""
+        return asdict(self)

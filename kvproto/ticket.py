@@ -1,0 +1,125 @@
+"""Lease tickets: the capability a holder hands its reader with the request.
+
+A ticket travels from the holder to the reader the way the request does: in
+vLLM's ``kv_transfer_params``, through the routing proxy. It names a compact
+lease id (so heartbeats stay small), carries an unguessable 128-bit token
+(so nobody who merely reaches the holder's port can keep blocks alive or free
+them), and states the lease timing as a relative duration plus, for turn-2
+blocks whose ticket may wait minutes at a client, the absolute deadline in the
+holder's clock (converted by the reader with the estimated clock offset).
+
+The token itself never goes on the notification channel: frames carry
+``claim_proof(token, reader_engine, lease)``, a keyed hash that is useless to
+another engine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import msgspec
+
+from kvproto.config import LeaseParams
+from kvproto.errors import RemoteProtocolError
+
+TOKEN_BYTES = 16
+PROOF_BYTES = 16
+PARAMS_KEY = "kvproto"
+"""Key of the ticket inside ``kv_transfer_params``."""
+
+
+class LeaseTicket(msgspec.Struct, frozen=True, kw_only=True):
+    """What a reader needs to claim, heartbeat and release one lease."""
+
+    holder_engine: str
+    """Engine id of the holder (vLLM ``remote_engine_id``)."""
+    holder_incarnation: int
+    """Incarnation of the holder engine that granted it; a restarted holder has lost the blocks."""
+    holder_tp_size: int
+    """Holder TP size (which ranks to heartbeat and read from)."""
+    lease: int
+    """Compact lease id, unique within the holder incarnation."""
+    token: bytes
+    """128-bit capability; proves the right to renew, finish or abort this lease."""
+    params: LeaseParams
+    """The holder's lease timing."""
+    expires_in: float
+    """Seconds the lease had left when the ticket was issued."""
+    deadline: float
+    """The same deadline in the issuing clock (for conversion with a clock offset)."""
+    request_id: str = ""
+    """The holder's request id (vLLM ``remote_request_id``), for logs and legacy frames."""
+
+    def to_params(self) -> dict[str, Any]:
+        """JSON-safe form for ``kv_transfer_params``."""
+        out: dict[str, Any] = msgspec.to_builtins(self)
+        out["token"] = self.token.hex()
+        return out
+
+    @classmethod
+    def from_params(cls, value: Mapping[str, Any]) -> LeaseTicket:
+        """Parse :meth:`to_params` output; a typed error for anything else."""
+        if not isinstance(value, Mapping):
+            raise RemoteProtocolError("ticket must be a mapping")
+        data = dict(value)
+        token = data.get("token")
+        if not isinstance(token, str):
+            raise RemoteProtocolError("ticket token must be a hex string")
+        try:
+            data["token"] = bytes.fromhex(token)
+            ticket = msgspec.convert(data, cls)
+        except (ValueError, msgspec.ValidationError) as exc:
+            raise RemoteProtocolError(f"bad ticket: {exc}") from None
+        if len(ticket.token) != TOKEN_BYTES or ticket.holder_tp_size < 1 or ticket.lease < 1:
+            raise RemoteProtocolError("bad ticket fields")
+        return ticket
+
+
+def claim_proof(token: bytes, reader_engine: str, lease: int) -> bytes:
+    """Keyed hash proving knowledge of ``token``, bound to the claiming engine and lease."""
+    data = b"kvproto-claim\x00" + reader_engine.encode() + b"\x00" + lease.to_bytes(8, "big")
+    return hashlib.blake2b(data, key=token, digest_size=PROOF_BYTES).digest()
+
+
+class LeaseMint:
+    """Allocates lease ids and tokens for one holder engine incarnation.
+
+    In vLLM the scheduler process mints (at ``request_finished``) and every
+    worker's :class:`~kvproto.holder.Holder` adopts the ticket; a single-process
+    holder mints for itself.
+    """
+
+    def __init__(
+        self,
+        *,
+        engine: str,
+        incarnation: int,
+        tp_size: int,
+        params: LeaseParams,
+        entropy: Callable[[int], bytes],
+    ) -> None:
+        self._engine = engine
+        self._incarnation = incarnation
+        self._tp_size = tp_size
+        self._params = params
+        self._entropy = entropy
+        self._next = 1
+
+    def mint(self, now: float, *, request_id: str, ttl: float) -> LeaseTicket:
+        """A fresh ticket for a lease of ``ttl`` seconds starting at ``now``."""
+        lease = self._next
+        self._next += 1
+        token = self._entropy(TOKEN_BYTES)
+        return LeaseTicket(
+            holder_engine=self._engine,
+            holder_incarnation=self._incarnation,
+            holder_tp_size=self._tp_size,
+            lease=lease,
+            token=token,
+            params=self._params,
+            expires_in=ttl,
+            deadline=now + ttl,
+            request_id=request_id,
+        )

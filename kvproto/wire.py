@@ -1,0 +1,317 @@
+"""The kvproto wire format: versioned, framed, binary (msgpack via msgspec).
+
+Frame layout (spec/wire-format.md has the byte-by-byte version)::
+
+    0      2        3       4                        n-16 (or n)   n
+    +------+--------+-------+------------------------+-------------+
+    | 8B 4B| version| flags | msgpack body           | MAC (flag 1)|
+    +------+--------+-------+------------------------+-------------+
+
+* The magic ``0x8B 0x4B`` starts with a byte that is never the first byte of
+  UTF-8 text, so a kvproto frame can never be mistaken for a stock vLLM text
+  notification (``HB:...`` or ``id:n``) and vice versa.
+* ``version`` is :data:`VERSION`; a frame of another version is refused.
+* ``flags`` bit 0 says a 16-byte keyed BLAKE2b MAC over everything before it
+  follows the body. Other bits must be zero.
+* The body is a msgpack array ``[tag, field, ...]``: one of the message
+  structs below, tagged by a small integer.
+
+Every decoder here is total: it returns a message or raises
+:class:`~kvproto.errors.RemoteProtocolError`, never another exception.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+from collections.abc import Iterable, Sequence
+
+import msgspec
+
+from kvproto.config import LeaseParams
+from kvproto.errors import RemoteProtocolError
+
+MAGIC = b"\x8bK"
+VERSION = 1
+FLAG_MAC = 0x01
+MAC_LEN = 16
+HEADER_LEN = 4
+MAX_U64 = 2**64 - 1
+
+
+class Claim(msgspec.Struct, frozen=True, array_like=True):
+    """Proof that the sender holds a lease's capability token."""
+
+    lease: int
+    """Lease id (compact, assigned by the holder at grant)."""
+    proof: bytes
+    """``claim_proof(token, reader_engine, lease)``: 16 bytes."""
+
+
+class Hello(msgspec.Struct, frozen=True, array_like=True, tag=1):
+    """Reader → holder: open a lease session for one reader rank."""
+
+    engine: str
+    """Reader engine id (owner identity for the leases it claims)."""
+    rank: int
+    """Reader TP rank."""
+    tp_size: int
+    """Reader TP size; the holder derives expected consumers from it."""
+    incarnation: int
+    """Random id of this reader process's life; a restart is a new incarnation."""
+    nonce: bytes
+    """16 random bytes; keys the session MAC when authentication is on."""
+
+
+class Welcome(msgspec.Struct, frozen=True, array_like=True, tag=2):
+    """Holder → reader: the session is open."""
+
+    engine: str
+    """Holder engine id."""
+    rank: int
+    """Holder TP rank."""
+    tp_size: int
+    """Holder TP size."""
+    incarnation: int
+    """Random id of this holder process's life (tickets name it)."""
+    nonce: bytes
+    """Echo of the reader's nonce (binds the answer to the question)."""
+    server_nonce: bytes
+    """Holder's 16 random bytes for the session key."""
+    params: LeaseParams
+    """The holder's lease timing; the reader paces itself by it."""
+    clock: float
+    """Holder's monotonic clock when it answered (clock-skew sample)."""
+
+
+class Heartbeat(msgspec.Struct, frozen=True, array_like=True, tag=3):
+    """Reader → holder, once per tick: keep every lease of this session alive.
+
+    The session keep-alive renews all leases the session holds, so the frame
+    does not grow with the number of leases; it carries only changes.
+    """
+
+    seq: int
+    """Per-session sequence number, strictly increasing (replay window)."""
+    claims: list[Claim]
+    """Leases this session newly holds; repeated until acknowledged."""
+    aborts: list[Claim]
+    """Leases no longer wanted by the reader's request (free now); repeated until acknowledged."""
+    count: int
+    """How many leases the reader believes this session holds after this frame."""
+    digest: int
+    """:func:`digest` of those lease ids (with ``count``, detects divergence)."""
+    full: list[int] | None = None
+    """On resync: every held lease id, delta-encoded ascending; replaces the holder's view."""
+
+
+class HeartbeatAck(msgspec.Struct, frozen=True, array_like=True, tag=4):
+    """Holder → reader: what a heartbeat achieved."""
+
+    seq: int
+    """The acknowledged heartbeat's sequence number."""
+    clock: float
+    """Holder's monotonic clock when it applied the heartbeat."""
+    held: list[tuple[int, float]]
+    """For each lease claimed in that heartbeat: (lease id, seconds the lease had left)."""
+    lost: list[int]
+    """Leases named in that heartbeat that the holder does not hold for this session."""
+    resync: bool = False
+    """Count or digest disagreed: send ``full`` in the next heartbeat."""
+
+
+class Done(msgspec.Struct, frozen=True, array_like=True, tag=5):
+    """Reader → holder, attached to the READ: this rank has the blocks."""
+
+    claim: Claim
+    """The lease and the proof (a done also claims)."""
+
+
+class DoneAck(msgspec.Struct, frozen=True, array_like=True, tag=6):
+    """Holder → reader: was the lease held when the done arrived?"""
+
+    lease: int
+    """Lease id."""
+    verdict: int
+    """:class:`DoneVerdict` value."""
+
+
+class Revoke(msgspec.Struct, frozen=True, array_like=True, tag=7):
+    """Holder → reader: these leases ended early; do not read, recompute."""
+
+    leases: list[int]
+    """Lease ids."""
+    reason: int
+    """:class:`~kvproto.events.ReleaseReason` value."""
+
+
+class Reject(msgspec.Struct, frozen=True, array_like=True, tag=8):
+    """Holder → reader: the frame was refused as a whole."""
+
+    reason: int
+    """:class:`RejectReason` value."""
+    seq: int = 0
+    """The refused heartbeat's sequence number, if it was one."""
+
+
+Message = Hello | Welcome | Heartbeat | HeartbeatAck | Done | DoneAck | Revoke | Reject
+
+
+class DoneVerdict:
+    """Values of :attr:`DoneAck.verdict`."""
+
+    HELD = 0
+    """The lease was live when the done arrived: the data read is valid."""
+    LATE = 1
+    """The lease had already ended: the read may have overlapped a free; recompute."""
+    REFUSED = 2
+    """Unknown lease, bad proof or another owner: recompute."""
+
+
+class RejectReason:
+    """Values of :attr:`Reject.reason`."""
+
+    NO_SESSION = 1
+    """No session for this peer: send Hello again."""
+    TOO_MANY = 2
+    """A holder limit (sessions, leases per session) was hit."""
+    BAD_MAC = 3
+    """Authentication failed."""
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def mac(key: bytes, data: bytes) -> bytes:
+    """16-byte keyed BLAKE2b MAC."""
+    return hashlib.blake2b(data, key=key[:64], digest_size=MAC_LEN).digest()
+
+
+def encode(msg: Message, key: bytes | None = None) -> bytes:
+    """Frame one message; with ``key`` the frame carries a MAC."""
+    header = MAGIC + bytes((VERSION, FLAG_MAC if key is not None else 0))
+    framed = header + _encoder.encode(msg)
+    return framed + mac(key, framed) if key is not None else framed
+
+
+def is_kvproto_frame(data: bytes) -> bool:
+    """True if ``data`` starts with the kvproto magic (else it may be a legacy text frame)."""
+    return data[:2] == MAGIC
+
+
+def decode(data: bytes, key: bytes | None = None) -> Message:
+    """Parse one frame. With ``key`` an unsigned or badly signed frame is refused.
+
+    Raises :class:`RemoteProtocolError` for anything that is not a valid frame.
+    """
+    if len(data) < HEADER_LEN or data[:2] != MAGIC:
+        raise RemoteProtocolError("not a kvproto frame")
+    if data[2] != VERSION:
+        raise RemoteProtocolError(f"unsupported version {data[2]}")
+    flags = data[3]
+    if flags & ~FLAG_MAC:
+        raise RemoteProtocolError(f"unknown flags {flags:#x}")
+    body_end = len(data)
+    if flags & FLAG_MAC:
+        body_end -= MAC_LEN
+        if body_end < HEADER_LEN:
+            raise RemoteProtocolError("frame too short for its MAC")
+        if key is not None and not hmac.compare_digest(mac(key, data[:body_end]), data[body_end:]):
+            raise RemoteProtocolError("bad MAC")
+    elif key is not None:
+        raise RemoteProtocolError("unsigned frame where a MAC is required")
+    try:
+        msg: Message = _decoder.decode(data[HEADER_LEN:body_end])
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise RemoteProtocolError(f"malformed body: {exc}") from None
+    _validate(msg)
+    return msg
+
+
+def _validate(msg: Message) -> None:
+    """Range checks msgspec's types cannot express."""
+    ints: list[int] = []
+    if isinstance(msg, Heartbeat):
+        ints = [msg.seq, msg.count, msg.digest]
+        ints.extend(c.lease for c in msg.claims)
+        ints.extend(c.lease for c in msg.aborts)
+        if msg.full is not None:
+            ints.extend(msg.full)
+        for c in (*msg.claims, *msg.aborts):
+            _check_proof(c)
+    elif isinstance(msg, Done):
+        ints = [msg.claim.lease]
+        _check_proof(msg.claim)
+    elif isinstance(msg, HeartbeatAck):
+        ints = [msg.seq, *msg.lost, *(lease for lease, _ in msg.held)]
+        _check_finite(msg.clock, *(left for _, left in msg.held))
+    elif isinstance(msg, (Hello, Welcome)):
+        ints = [msg.rank, msg.tp_size, msg.incarnation]
+        if msg.tp_size < 1 or msg.rank >= msg.tp_size:
+            raise RemoteProtocolError("rank outside TP size")
+        if len(msg.nonce) != 16:
+            raise RemoteProtocolError("nonce must be 16 bytes")
+        if isinstance(msg, Welcome):
+            if len(msg.server_nonce) != 16:
+                raise RemoteProtocolError("nonce must be 16 bytes")
+            p = msg.params
+            _check_finite(msg.clock, p.duration, p.interval, p.extension)
+            if not 0 < p.interval < p.extension:
+                raise RemoteProtocolError("advertised lease parameters are nonsense")
+    elif isinstance(msg, DoneAck):
+        ints = [msg.lease, msg.verdict]
+    elif isinstance(msg, Revoke):
+        ints = [msg.reason, *msg.leases]
+    else:
+        ints = [msg.reason, msg.seq]
+    for value in ints:
+        if not 0 <= value <= MAX_U64:
+            raise RemoteProtocolError(f"integer {value} out of range")
+
+
+def _check_finite(*values: float) -> None:
+    for v in values:
+        if not math.isfinite(v):
+            raise RemoteProtocolError("non-finite time value")
+
+
+def _check_proof(claim: Claim) -> None:
+    if len(claim.proof) != MAC_LEN:
+        raise RemoteProtocolError("claim proof must be 16 bytes")
+
+
+def delta_encode(ids: Iterable[int]) -> list[int]:
+    """Sorted ids as first value then gaps: small numbers, one msgpack byte each when dense."""
+    out: list[int] = []
+    prev = 0
+    for value in sorted(ids):
+        out.append(value - prev)
+        prev = value
+    return out
+
+
+def delta_decode(deltas: Sequence[int]) -> list[int]:
+    """Inverse of :func:`delta_encode`."""
+    out: list[int] = []
+    total = 0
+    for d in deltas:
+        total += d
+        out.append(total)
+    return out
+
+
+def id_hash(lease: int) -> int:
+    """Scatter a lease id over 64 bits (Fibonacci hashing) before summing into a digest."""
+    return (lease * 0x9E3779B97F4A7C15) & MAX_U64
+
+
+def digest(ids: Iterable[int]) -> int:
+    """Order-independent, incrementally updatable digest of a lease-id set."""
+    return sum(id_hash(i) for i in ids) & MAX_U64
+
+
+def encoded_size(msg: Message, authenticated: bool) -> int:
+    """Bytes :func:`encode` would produce."""
+    return HEADER_LEN + len(_encoder.encode(msg)) + (MAC_LEN if authenticated else 0)
