@@ -1,0 +1,104 @@
+"""The case registry: numbered cases, each with its requirement and level."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvproto_transports.conformance.model import Level
+
+if TYPE_CHECKING:
+    from kvproto_transports.conformance.harness import Ctx
+
+
+GROUPS = {
+    "T0": "Declarations",
+    "T1": "Identity and lifecycle",
+    "T2": "Notifications",
+    "T3": "Reads",
+    "T4": "Peer failure",
+    "T5": "Resources",
+}
+"""Case id prefix -> the concern its cases check."""
+
+
+class Unsupported(Exception):
+    """Raised by a case when the transport declared it cannot do what the case needs."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Outcome:
+    """What a case function returns."""
+
+    ok: bool
+    """Whether the requirement held."""
+    detail: str
+    """What was observed."""
+    measured: float | None = None
+    """A figure for the report, or None."""
+    informational: bool = False
+    """The transport does not promise this property: report it as INFO whatever ``ok`` is."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Case:
+    """One numbered conformance case."""
+
+    id: str
+    """``"T<group>.<n>"``."""
+    title: str
+    """One line."""
+    level: Level
+    """MUST, SHOULD or INFO."""
+    requirement: str
+    """The requirement, in full."""
+    protects: str
+    """What in the lease protocol breaks if the requirement does not hold."""
+    run: Callable[[Ctx], Outcome]
+    """The check itself."""
+
+    @property
+    def group(self) -> str:
+        """The concern, from the id prefix."""
+        return GROUPS[self.id.split(".", 1)[0]]
+
+
+CASES: list[Case] = []
+"""Every case, in registration (= report) order."""
+
+
+def case(
+    case_id: str, title: str, level: Level, *, requirement: str, protects: str
+) -> Callable[[Callable[[Ctx], Outcome]], Callable[[Ctx], Outcome]]:
+    """Register the decorated function as case ``case_id``."""
+
+    def register(fn: Callable[[Ctx], Outcome]) -> Callable[[Ctx], Outcome]:
+        if any(c.id == case_id for c in CASES):
+            raise ValueError(f"duplicate case id {case_id}")
+        CASES.append(
+            Case(
+                id=case_id,
+                title=title,
+                level=level,
+                requirement=requirement,
+                protects=protects,
+                run=fn,
+            )
+        )
+        return fn
+
+    return register
+
+
+def all_cases() -> list[Case]:
+    """Every registered case, with the case modules imported."""
+    from kvproto_transports.conformance import (  # noqa: F401 - imported to register
+        cases_failure,
+        cases_identity,
+        cases_notify,
+        cases_reads,
+        cases_resources,
+    )
+
+    return sorted(CASES, key=lambda c: tuple(int(x) for x in c.id[1:].split(".")))
