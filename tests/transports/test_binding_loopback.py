@@ -1,0 +1,132 @@
+"""The binding (transport ↔ cores) over the loopback transport, with real bytes and exact times."""
+
+from __future__ import annotations
+
+from kvproto.config import LeaseConfig
+from kvproto.events import ReadDeclined, ReadGo, ReleaseReason
+from kvproto.holder import Holder
+from kvproto.reader import Reader
+from kvproto_transports.binding import Endpoint, frame_tag
+from kvproto_transports.loopback import LinkFaults, LoopbackNetwork
+
+from tests.core.pair import counter_entropy
+
+BLOCK = 64
+
+
+class World:
+    """P (holder) and D (reader) endpoints on one loopback network, driven step by step."""
+
+    def __init__(self, *, delay: float = 0.001) -> None:
+        self.cfg = LeaseConfig()
+        self.net = LoopbackNetwork(seed=3, detection_delay=0.05)
+        self.p_ep = self.net.endpoint("P")
+        self.d_ep = self.net.endpoint("D")
+        self.net.set_link("P", "D", LinkFaults(delay=delay))
+        self.net.set_link("D", "P", LinkFaults(delay=delay))
+        self.p_layout = self.p_ep.allocate_layout(2, BLOCK, 8)
+        self.p_ep.register_blocks(self.p_layout)
+        self.d_ep.register_blocks(self.d_ep.allocate_layout(2, BLOCK, 8))
+        holder = Holder(self.cfg, engine="P", incarnation=1, entropy=counter_entropy(1))
+        reader = Reader(self.cfg, engine="D", incarnation=2, entropy=counter_entropy(99))
+        self.p = Endpoint(self.p_ep, holder=holder)
+        self.d = Endpoint(self.d_ep, reader=reader)
+        # The holder must be able to answer the reader (the side channel's introduction).
+        self.p_ep.add_peer(self.d_ep.metadata())
+        self.freed: list[tuple[float, ReleaseReason]] = []
+        self.confirmed: list[tuple[float, str]] = []
+        self.failed: list[str] = []
+
+    def run(self, until: float, step: float = 0.01) -> None:
+        t = self.net.now
+        while t < until - 1e-9:
+            t = min(until, t + step)
+            self.net.advance(t)
+            for free in self.p.step(t).freed:
+                self.freed.append((t, free.reason))
+            result = self.d.step(t)
+            for connect in result.connects:
+                self.d.connected(t, engine=connect.engine, rank=connect.rank, metadata=self.p_ep.metadata())
+            self.confirmed += [(t, rid) for rid in result.confirmed]
+            self.failed += [f.reason.value for f in result.failed]
+
+
+def test_queued_request_heartbeats_then_reads_real_bytes_and_frees_on_done() -> None:
+    w = World()
+    for region in range(2):
+        for block in range(8):
+            w.p_ep.write_block(region, block, bytes([region * 16 + block]) * BLOCK)
+    assert w.p.holder is not None and w.d.reader is not None
+    ticket = w.p.holder.grant(0.0, request_id="p-1")
+    w.d.reader.track(0.0, request_id="d-1", ticket=ticket)
+    w.run(100.0, step=0.25)  # queued for 100 s, more than three lease durations
+    assert w.freed == [] and w.failed == []
+    assert w.d.reader.ready_to_read("d-1")
+    go = w.d.start_read(100.0, "d-1", local_blocks=[0, 1, 2], remote_blocks=[5, 6, 7])
+    assert isinstance(go, ReadGo)
+    w.run(100.5)
+    assert [reason for _, reason in w.freed] == [ReleaseReason.DONE]
+    assert [rid for _, rid in w.confirmed] == ["d-1"]
+    for region in range(2):
+        for local, remote in zip([0, 1, 2], [5, 6, 7], strict=True):
+            assert w.d_ep.read_block(region, local) == bytes([region * 16 + remote]) * BLOCK
+
+
+def _queue_then(w: World, fault: str) -> None:
+    assert w.p.holder is not None and w.d.reader is not None
+    ticket = w.p.holder.grant(0.0, request_id="p-1")
+    w.d.reader.track(0.0, request_id="d-1", ticket=ticket)
+    w.run(12.0, step=0.5)
+    if fault == "crash":
+        w.net.crash("D")
+    else:
+        w.net.partition("P", "D")
+    t = 12.0
+    while not w.freed and t < 60:
+        t += 0.5
+        w.net.advance(t)
+        w.freed += [(t, f.reason) for f in w.p.step(t).freed]
+
+
+def test_reader_crash_reported_by_transport_frees_at_once() -> None:
+    w = World()
+    _queue_then(w, "crash")
+    # Loopback reports the crash after its 50 ms detection delay: freed at the next step.
+    assert w.freed == [(12.5, ReleaseReason.PEER_LOST)]
+
+
+def test_silent_reader_loss_frees_at_last_heartbeat_plus_extension() -> None:
+    w = World()
+    _queue_then(w, "partition")
+    # Nothing reports the loss, so it shows as a lapse. Hello at 0.5, Welcome seen at 1.5,
+    # heartbeats at 1.5, 6.5 and 11.5; the last one is applied at the holder's step at 12.0
+    # and renews to 12.0 + extension (20 s) = 32.0, when the holder frees.
+    assert w.freed == [(32.0, ReleaseReason.EXPIRED)]
+
+
+def test_read_declined_when_lease_too_close_to_its_end() -> None:
+    w = World()
+    assert w.p.holder is not None and w.d.reader is not None
+    ticket = w.p.holder.grant(0.0, request_id="p-1")
+    w.run(1.0)
+    w.d.reader.track(1.0, request_id="d-1", ticket=ticket)
+    w.run(2.0)
+    # The reader stalls (no steps) until 26.5: heartbeats stopped at t=1, so the lease
+    # lapses at 1 + 20 = 21 s... the holder side keeps stepping.
+    t = 2.0
+    while t < 26.5:
+        t += 0.5
+        w.net.advance(t)
+        w.freed += [(t, f.reason) for f in w.p.step(t).freed]
+    decision = w.d.start_read(26.5, "d-1", local_blocks=[0], remote_blocks=[0])
+    assert isinstance(decision, ReadDeclined)
+    w.run(27.0)
+    # The ticket's lease (30 s from grant) had not lapsed at the holder, since the claim
+    # acknowledged at 1 s carried ~29 s left; the reader judged 26.5 + 5 too close and aborted.
+    assert [reason for _, reason in w.freed] == [ReleaseReason.ABORTED]
+
+
+def test_frame_tag_routes_native_frames_and_not_text() -> None:
+    assert frame_tag(b"HB:a,b") is None
+    assert frame_tag(b"") is None
+    assert frame_tag(b"\x8bK\x01\x00\x92\x05") == 5

@@ -1,0 +1,268 @@
+"""The binding: the small loop between a Transport and the sans-I/O cores.
+
+aioquic's ``asyncio/protocol.py`` in miniature. The binding owns nothing but
+plumbing: every :meth:`Endpoint.step` it
+
+1. polls the transport and feeds what arrived into the cores (frames to the
+   holder or the reader by message kind, lost peers to both, read results to
+   the reader),
+2. runs the cores' timers when due,
+3. drains the cores and carries out their outputs (send frames, issue reads,
+   ask for connections, report freed blocks and failed or confirmed requests).
+
+The caller supplies ``now`` (so the loopback simulator and real deployments
+use the same code) and answers :class:`~kvproto.events.Connect` requests by
+calling :meth:`Endpoint.connected` once it has the holder's transport
+metadata (from the side channel, or directly for loopback).
+
+One endpoint serves one engine rank. It may host a holder, a reader or both
+(bidirectional turn-2 blocks), which share the transport: native frames are
+routed by their message tag, stock-vLLM text frames go to the holder.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvproto import wire
+from kvproto.errors import LocalProtocolError
+from kvproto.events import (
+    Connect,
+    FreeBlocks,
+    HolderOutput,
+    ReadConfirmed,
+    ReadDeclined,
+    ReaderOutput,
+    ReadGo,
+    RequestFailed,
+    SendFrame,
+)
+from kvproto.holder import Holder
+from kvproto.reader import Reader
+from kvproto.tpmath import blocks_to_read
+from kvproto.transport import (
+    FrameTooLarge,
+    PeerId,
+    PeerLost,
+    PeerUnreachable,
+    ReadCompleted,
+    ReadFailed,
+    ReadId,
+    Received,
+    Transport,
+    UnknownPeer,
+)
+
+log = logging.getLogger("kvproto.binding")
+
+_HOLDER_TAGS = frozenset({1, 3, 5})  # Hello, Heartbeat, Done
+_READER_TAGS = frozenset({2, 4, 6, 7, 8})  # Welcome, HeartbeatAck, DoneAck, Revoke, Reject
+_FIXARRAY = range(0x90, 0xA0)
+
+
+def frame_tag(data: bytes) -> int | None:
+    """The message tag of a native frame, or None if it is not one (legacy text, junk)."""
+    if len(data) > wire.HEADER_LEN + 1 and wire.is_kvproto_frame(data) and data[4] in _FIXARRAY:
+        return data[5]
+    return None
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one :meth:`Endpoint.step` produced for the engine."""
+
+    freed: list[FreeBlocks] = field(default_factory=list)
+    """Holder: blocks the engine may reuse now."""
+    failed: list[RequestFailed] = field(default_factory=list)
+    """Reader: requests that must be recomputed."""
+    confirmed: list[str] = field(default_factory=list)
+    """Reader: requests whose loaded blocks are safe to use."""
+    connects: list[Connect] = field(default_factory=list)
+    """Reader: holders to make reachable (answer with :meth:`Endpoint.connected`)."""
+
+
+@dataclass(slots=True)
+class BindingStats:
+    """Plumbing counters (the cores keep the protocol ones)."""
+
+    send_failures: int = 0
+    """Sends the transport refused because the peer is unreachable or unknown."""
+    oversize_sends: int = 0
+    """Frames the transport refused as too large (a sizing bug: they are never truncated)."""
+    unroutable: int = 0
+    """Frames for a role this endpoint does not host."""
+
+
+class Endpoint:
+    """Binds one transport endpoint to an engine rank's holder and/or reader."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        holder: Holder | None = None,
+        reader: Reader | None = None,
+    ) -> None:
+        if holder is None and reader is None:
+            raise LocalProtocolError("an endpoint needs a holder, a reader or both")
+        self.transport = transport
+        self.holder = holder
+        self.reader = reader
+        self.stats = BindingStats()
+        self._reads: dict[ReadId, tuple[str, int]] = {}
+        self._result = StepResult()
+
+    # ----------------------------------------------------------- engine API
+
+    def connected(self, now: float, *, engine: str, rank: int, metadata: bytes) -> PeerId:
+        """The holder ``(engine, rank)``'s metadata arrived: add the peer and say Hello."""
+        reader = self._need_reader()
+        peer = self.transport.add_peer(metadata)
+        reader.connected(now, engine=engine, rank=rank, peer=peer)
+        self._flush(now)
+        return peer
+
+    def connect_failed(self, now: float, *, engine: str, rank: int) -> None:
+        """The holder ``(engine, rank)`` cannot be reached: its requests recompute."""
+        self._need_reader().connect_failed(now, engine=engine, rank=rank)
+        self._flush(now)
+
+    def start_read(
+        self,
+        now: float,
+        request_id: str,
+        *,
+        local_blocks: Sequence[int],
+        remote_blocks: Sequence[int],
+    ) -> ReadGo | ReadDeclined:
+        """Begin the reads of a request (one per holder rank), with the done attached.
+
+        A partial prefix hit reads only the tail of ``remote_blocks``; zero
+        local blocks still sends the done (the transport's notify-only read).
+        """
+        reader = self._need_reader()
+        decision = reader.begin_read(now, request_id)
+        if isinstance(decision, ReadGo):
+            tail = blocks_to_read(local_blocks, remote_blocks)
+            for order in decision.orders:
+                try:
+                    read_id = self.transport.read_blocks(
+                        order.peer,
+                        local_blocks=list(local_blocks),
+                        remote_blocks=tail,
+                        local_slice=order.local_slice,
+                        remote_slice=order.remote_slice,
+                        notify=order.notify,
+                    )
+                except (PeerUnreachable, UnknownPeer) as exc:
+                    log.warning("read of %s from %s refused: %s", request_id, order.peer, exc)
+                    reader.read_failed(now, request_id, order.holder_rank)
+                    continue
+                self._reads[read_id] = (request_id, order.holder_rank)
+        self._flush(now)
+        return decision
+
+    def step(self, now: float) -> StepResult:
+        """Poll, run timers, execute outputs. Returns what the engine must act on."""
+        for event in self.transport.poll():
+            if isinstance(event, Received):
+                self._route(now, event.peer, event.payload)
+            elif isinstance(event, PeerLost):
+                self._peer_lost(now, event.peer)
+            elif isinstance(event, ReadCompleted):
+                self._read_result(now, event.read_id, ok=True)
+            elif isinstance(event, ReadFailed):
+                log.warning("read %d failed: %s", event.read_id, event.reason)
+                self._read_result(now, event.read_id, ok=False)
+        for core in (self.holder, self.reader):
+            if core is not None:
+                timer = core.get_timer()
+                if timer is not None and timer <= now:
+                    core.handle_timer(now)
+        self._flush(now)
+        result, self._result = self._result, StepResult()
+        return result
+
+    def next_deadline(self) -> float | None:
+        """The earliest time a core needs :meth:`step` even if nothing arrives."""
+        timers = [c.get_timer() for c in (self.holder, self.reader) if c is not None]
+        due = [t for t in timers if t is not None]
+        return min(due) if due else None
+
+    # ------------------------------------------------------------ plumbing
+
+    def _route(self, now: float, peer: PeerId, payload: bytes) -> None:
+        tag = frame_tag(payload)
+        if tag in _READER_TAGS:
+            target: Holder | Reader | None = self.reader
+        elif tag in _HOLDER_TAGS or tag is None:
+            target = self.holder  # native holder-bound frames, legacy text and junk
+        else:
+            target = self.holder if self.holder is not None else self.reader
+        if target is None:
+            self.stats.unroutable += 1
+            return
+        target.handle_frame(now, peer, payload)
+
+    def _peer_lost(self, now: float, peer: PeerId) -> None:
+        if self.holder is not None:
+            self.holder.peer_lost(now, peer)
+        if self.reader is not None:
+            self.reader.peer_lost(now, peer)
+
+    def _read_result(self, now: float, read_id: ReadId, *, ok: bool) -> None:
+        entry = self._reads.pop(read_id, None)
+        if entry is None or self.reader is None:
+            return
+        request_id, rank = entry
+        try:
+            if ok:
+                self.reader.read_completed(now, request_id, rank)
+            else:
+                self.reader.read_failed(now, request_id, rank)
+        except LocalProtocolError:
+            pass  # the request was finished (aborted) while its read was in flight
+
+    def _flush(self, now: float) -> None:
+        """Carry out every output until the cores are quiet (a lost peer may produce more)."""
+        while True:
+            outputs: list[HolderOutput | ReaderOutput] = []
+            if self.holder is not None:
+                outputs.extend(self.holder.drain())
+            if self.reader is not None:
+                outputs.extend(self.reader.drain())
+            if not outputs:
+                return
+            for out in outputs:
+                if isinstance(out, SendFrame):
+                    self._send(now, out)
+                elif isinstance(out, FreeBlocks):
+                    self._result.freed.append(out)
+                elif isinstance(out, RequestFailed):
+                    self._result.failed.append(out)
+                elif isinstance(out, ReadConfirmed):
+                    self._result.confirmed.append(out.request_id)
+                else:
+                    self._result.connects.append(out)
+
+    def _send(self, now: float, out: SendFrame) -> None:
+        try:
+            self.transport.send(out.peer, out.payload)
+        except FrameTooLarge:
+            self.stats.oversize_sends += 1
+            log.error(
+                "frame of %d bytes refused as too large by %s",
+                len(out.payload),
+                self.transport.name,
+            )
+        except (PeerUnreachable, UnknownPeer) as exc:
+            self.stats.send_failures += 1
+            log.info("send to %s failed (%s): treating the peer as lost", out.peer, exc)
+            self._peer_lost(now, out.peer)
+
+    def _need_reader(self) -> Reader:
+        if self.reader is None:
+            raise LocalProtocolError("this endpoint hosts no reader")
+        return self.reader
