@@ -8,7 +8,6 @@ from kvproto.holder import Holder
 from kvproto.reader import Reader
 from kvproto_transports.binding import Endpoint, frame_tag
 from kvproto_transports.loopback import LinkFaults, LoopbackNetwork
-
 from tests.core.pair import counter_entropy
 
 BLOCK = 64
@@ -46,7 +45,9 @@ class World:
                 self.freed.append((t, free.reason))
             result = self.d.step(t)
             for connect in result.connects:
-                self.d.connected(t, engine=connect.engine, rank=connect.rank, metadata=self.p_ep.metadata())
+                self.d.connected(
+                    t, engine=connect.engine, rank=connect.rank, metadata=self.p_ep.metadata()
+                )
             self.confirmed += [(t, rid) for rid in result.confirmed]
             self.failed += [f.reason.value for f in result.failed]
 
