@@ -597,6 +597,11 @@ class Reader:
         if session.state is SessionState.OPEN:
             session.pending_aborts[lease] = req.proof
             self._beat(now, session)  # free the holder's memory now, not at the next tick
+        elif session.state in (SessionState.CONNECTING, SessionState.HELLO_SENT):
+            # Not welcomed yet: the first heartbeat after Welcome carries the abort,
+            # so a request given up before the handshake does not strand its blocks
+            # for a whole lease (vLLM #41269).
+            session.pending_aborts[lease] = req.proof
 
     def _fail(self, now: float, req: _Request, reason: FailReason) -> None:
         if req.failed or req.confirmed:
