@@ -14,6 +14,7 @@ is a :class:`ConfigError` at construction.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -81,9 +82,7 @@ class LeaseConfig:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
-                raise ConfigError(f"{f.name} must not be negative, got {value}")
+            _check_field(f.name, str(f.type), getattr(self, f.name))
         if self.kv_lease_duration < 1:
             raise ConfigError(f"kv_lease_duration must be >= 1 s, got {self.kv_lease_duration}")
         if self.heartbeat_interval <= 0:
@@ -91,6 +90,8 @@ class LeaseConfig:
                 f"kv_lease_duration {self.kv_lease_duration} gives a heartbeat interval of "
                 f"{self.heartbeat_interval} (duration // 6); use at least 6 s"
             )
+        if not math.isfinite(self.lease_extension):
+            raise ConfigError(f"kv_lease_duration {self.kv_lease_duration} is too large")
         if self.lease_extension <= self.heartbeat_interval:
             raise ConfigError(
                 f"lease extension {self.lease_extension} must exceed the heartbeat interval "
@@ -159,3 +160,31 @@ class LeaseConfig:
             return cls(**kwargs)
         except TypeError as exc:
             raise ConfigError(str(exc)) from exc
+
+
+def _check_field(name: str, annotation: str, value: object) -> None:
+    """Type, finiteness and sign of one field (NaN compares false to everything,
+    so without this ``kv_lease_duration=nan`` passed every range check below)."""
+    if annotation == "bool":
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name} must be a bool, got {value!r}")
+        return
+    if annotation == "bytes | None":
+        if value is not None and not isinstance(value, bytes):
+            raise ConfigError(f"{name} must be bytes, got {type(value).__name__}")
+        return
+    base, _, optional = annotation.partition("|")
+    if value is None and optional.strip() == "None":
+        return
+    kinds: tuple[type, ...] = (int,) if base.strip() == "int" else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise ConfigError(f"{name} must be a number ({base.strip()}), got {value!r}")
+    if kinds != (int,):
+        try:
+            finite = math.isfinite(float(value))  # type: ignore[arg-type]
+        except OverflowError:  # an int too large for a float: time arithmetic would raise
+            finite = False
+        if not finite:
+            raise ConfigError(f"{name} must be finite, got {value}")
+    if value < 0:  # type: ignore[operator]  # int or float, checked above
+        raise ConfigError(f"{name} must not be negative, got {value}")
