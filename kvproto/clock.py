@@ -9,7 +9,8 @@ clock read while it answered (``peer``), and the local clock at receipt
 
 The sample with the smallest round trip has the tightest bound (NTP's and
 vLLM's choice); clocks also drift apart, so the bound grows by
-``max_drift * (now - t1)`` since that sample was taken, and a newer sample
+``max_drift * (now - t0)`` since that sample was taken (the peer may have read
+its clock as early as ``t0``), and a newer sample
 with a slightly larger round trip can be better than an old one. The
 estimator keeps the best *current* bound.
 
@@ -67,7 +68,9 @@ class SkewEstimator:
             self._best = sample
 
     def _bound(self, sample: SkewSample, now: float) -> float:
-        return sample.rtt / 2 + self._drift * max(0.0, now - sample.received)
+        # Drift counts from the send time: the peer read its clock somewhere in
+        # [sent, received], possibly right at ``sent``.
+        return sample.rtt / 2 + self._drift * max(0.0, now - sample.sent)
 
     @property
     def known(self) -> bool:
