@@ -32,7 +32,7 @@ from kvproto.events import FreeBlocks, HolderOutput, ReleaseReason, SendFrame
 from kvproto.ratelimit import ReplayWindow, TokenBucket
 from kvproto.states import LeaseInput, LeaseState, lease_next
 from kvproto.stats import HolderStats
-from kvproto.ticket import LeaseMint, LeaseTicket, claim_proof
+from kvproto.ticket import LeaseMint, LeaseTicket, claim_proof, ticket_problem
 from kvproto.tpmath import expected_consumers
 from kvproto.transport import PeerId
 from kvproto.wire import DoneVerdict, RejectReason
@@ -170,7 +170,7 @@ class Holder:
         for bidirectional turn-2 blocks.
         """
         lifetime = self.config.kv_lease_duration if ttl is None else ttl
-        if lifetime <= 0 or lifetime > self.config.max_hold:
+        if not 0 < lifetime <= self.config.max_hold:  # also refuses NaN (it would poison the heap)
             raise LocalProtocolError(f"lease ttl {lifetime} outside (0, max_hold]")
         ticket = self._mint.mint(now, request_id=request_id, ttl=lifetime)
         self.adopt(now, ticket)
@@ -184,6 +184,9 @@ class Holder:
         """
         if ticket.holder_engine != self.engine or ticket.holder_incarnation != self.incarnation:
             raise LocalProtocolError("ticket was minted for another holder engine or incarnation")
+        problem = ticket_problem(ticket)
+        if problem is not None:
+            raise LocalProtocolError(f"bad ticket: {problem}")
         if ticket.lease in self._leases:
             raise LocalProtocolError(f"lease {ticket.lease} already held")
         if ticket.request_id and ticket.request_id in self._by_request:

@@ -25,6 +25,7 @@ Reads are fenced twice:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import secrets
 from collections.abc import Callable
@@ -55,7 +56,7 @@ from kvproto.states import (
     session_next,
 )
 from kvproto.stats import ReaderStats
-from kvproto.ticket import LeaseTicket, claim_proof
+from kvproto.ticket import LeaseTicket, claim_proof, ticket_problem
 from kvproto.tpmath import read_slices, target_remote_ranks
 from kvproto.transport import PeerId
 
@@ -165,11 +166,11 @@ class Reader:
         if request_id in self._requests:
             raise LocalProtocolError(f"request {request_id!r} is already tracked")
         self.stats.tracked += 1
-        try:
-            targets = target_remote_ranks(self.rank, self.tp_size, ticket.holder_tp_size)
-        except LocalProtocolError:
-            targets = []
-        proof = claim_proof(ticket.token, self.engine, ticket.lease)
+        targets: list[int] = []
+        if ticket_problem(ticket) is None:
+            with contextlib.suppress(LocalProtocolError):  # TP sizes that do not divide
+                targets = target_remote_ranks(self.rank, self.tp_size, ticket.holder_tp_size)
+        proof = claim_proof(ticket.token, self.engine, ticket.lease) if targets else b""
         req = _Request(request_id, ticket, proof, now, {r: _Part(rank=r) for r in targets})
         self._requests[request_id] = req
         self._by_lease[(ticket.holder_engine, ticket.lease)] = request_id

@@ -16,6 +16,7 @@ another engine.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -28,6 +29,10 @@ TOKEN_BYTES = 16
 PROOF_BYTES = 16
 PARAMS_KEY = "kvproto"
 """Key of the ticket inside ``kv_transfer_params``."""
+MAX_ID = 2**64 - 1
+"""Lease ids and incarnations travel as msgpack uint64."""
+MAX_HOLDER_TP = 1024
+"""Largest holder TP size a ticket may name (a reader opens one session per holder rank)."""
 
 
 class LeaseTicket(msgspec.Struct, frozen=True, kw_only=True):
@@ -72,9 +77,37 @@ class LeaseTicket(msgspec.Struct, frozen=True, kw_only=True):
             ticket = msgspec.convert(data, cls)
         except (ValueError, msgspec.ValidationError) as exc:
             raise RemoteProtocolError(f"bad ticket: {exc}") from None
-        if len(ticket.token) != TOKEN_BYTES or ticket.holder_tp_size < 1 or ticket.lease < 1:
-            raise RemoteProtocolError("bad ticket fields")
+        problem = ticket_problem(ticket)
+        if problem is not None:
+            raise RemoteProtocolError(f"bad ticket: {problem}")
         return ticket
+
+
+def ticket_problem(ticket: LeaseTicket) -> str | None:
+    """Why ``ticket`` is unusable, or None.
+
+    A ticket crosses the routing proxy, so every field is checked before it
+    reaches arithmetic or the wire: a lease id beyond uint64 cannot be framed,
+    a huge TP size would make the reader open that many sessions, and NaN or
+    infinite times defeat every deadline comparison.
+    """
+    p = ticket.params
+    times = (p.duration, p.interval, p.extension, ticket.expires_in, ticket.deadline)
+    if len(ticket.token) != TOKEN_BYTES:
+        return f"token must be {TOKEN_BYTES} bytes"
+    if not 1 <= ticket.lease <= MAX_ID:
+        return f"lease id {ticket.lease} outside 1..2**64-1"
+    if not 0 <= ticket.holder_incarnation <= MAX_ID:
+        return "holder incarnation outside uint64"
+    if not 1 <= ticket.holder_tp_size <= MAX_HOLDER_TP:
+        return f"holder TP size {ticket.holder_tp_size} outside 1..{MAX_HOLDER_TP}"
+    if not all(math.isfinite(t) for t in times):
+        return "non-finite time"
+    if not 1 <= p.interval < p.extension <= p.duration:
+        return "lease parameters are nonsense"
+    if ticket.expires_in <= 0:
+        return "lease already expired when issued"
+    return None
 
 
 def claim_proof(token: bytes, reader_engine: str, lease: int) -> bytes:
