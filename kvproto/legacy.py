@@ -23,6 +23,7 @@ from kvproto.errors import LocalProtocolError, RemoteProtocolError
 
 HB_PREFIX = b"HB:"
 MAX_CONSUMERS = 1 << 16
+_MAX_COUNT_DIGITS = len(str(MAX_CONSUMERS))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -63,6 +64,9 @@ def parse(data: bytes) -> LegacyFrame:
         raise RemoteProtocolError("legacy completion needs 'id:n'")
     if not count.isascii() or not count.isdigit():
         raise RemoteProtocolError("legacy completion count is not a decimal integer")
+    if len(count) > _MAX_COUNT_DIGITS:
+        # Also keeps int() below its 4300-digit limit, past which it raises ValueError.
+        raise RemoteProtocolError("legacy completion count is too long")
     expected = int(count)
     if not 1 <= expected <= MAX_CONSUMERS:
         raise RemoteProtocolError(f"legacy completion count {expected} out of range")
@@ -70,12 +74,22 @@ def parse(data: bytes) -> LegacyFrame:
 
 
 def _check_id(request_id: str) -> None:
-    if not request_id or "," in request_id or request_id.startswith("HB:"):
+    # "HB" alone is refused too: its completion frame "HB:n" reads as a heartbeat.
+    if (
+        not request_id
+        or "," in request_id
+        or request_id.startswith("HB:")
+        or request_id == "HB"
+    ):
         raise LocalProtocolError(f"request id {request_id!r} cannot travel in a legacy frame")
+    try:
+        request_id.encode("utf-8")
+    except UnicodeEncodeError:
+        raise LocalProtocolError(f"request id {request_id!r} is not encodable as UTF-8") from None
 
 
 def encode_heartbeat(request_ids: Iterable[str]) -> bytes:
-    """``HB:a,b,c``; ids with ',' or a leading 'HB:' are refused."""
+    """``HB:a,b,c``; ids with ',', a leading 'HB:', or not UTF-8-encodable are refused."""
     ids = list(request_ids)
     for i in ids:
         _check_id(i)
