@@ -224,7 +224,9 @@ def decode(data: bytes, key: bytes | None = None) -> Message:
         raise RemoteProtocolError("unsigned frame where a MAC is required")
     try:
         msg: Message = _decoder.decode(data[HEADER_LEN:body_end])
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, ValueError) as exc:
+        # ValueError: msgspec raises UnicodeDecodeError (not a DecodeError) for a
+        # str field holding invalid UTF-8.
         raise RemoteProtocolError(f"malformed body: {exc}") from None
     _validate(msg)
     return msg
@@ -239,6 +241,7 @@ def _validate(msg: Message) -> None:
         ints.extend(c.lease for c in msg.aborts)
         if msg.full is not None:
             ints.extend(msg.full)
+            ints.append(sum(msg.full))  # the largest id it decodes to must be a uint64 too
         for c in (*msg.claims, *msg.aborts):
             _check_proof(c)
     elif isinstance(msg, Done):
