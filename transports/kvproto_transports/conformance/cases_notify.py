@@ -350,7 +350,7 @@ def _fan_in_problems(net: Net, names: dict[int, str], per: int) -> list[str]:
 def back_pressure(ctx: Ctx) -> Outcome:
     net, peer = _pair(ctx)
     size = _fit(net, 1024)
-    filler = pattern("T2.11", size)
+    filler = b"." * size  # byte-exactness is T2.1's job; here only delivery counts
     accepted: list[bytes] = []
     refused: dict[str, int] = {}
     untyped: list[str] = []

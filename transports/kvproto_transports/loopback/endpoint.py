@@ -90,6 +90,7 @@ class LoopbackTransport:
         self._net = net
         self._base = base_name
         self._incarnation = incarnation
+        self._peer_id = f"{base_name}#{incarnation}"
         self._max = max_notification_size
         self._state = "open"
         self._inbox: list[TransportEvent] = []
@@ -120,7 +121,7 @@ class LoopbackTransport:
     @property
     def local_peer(self) -> PeerId:
         """``"<name>#<incarnation>"``: stable for this incarnation, new after a restart."""
-        return f"{self._base}#{self._incarnation}"
+        return self._peer_id
 
     @property
     def alive(self) -> bool:

@@ -36,6 +36,11 @@ class LinkFaults:
     reorder_window: float = 0.001
     """How long a reordered message is held back, in seconds."""
 
+    @property
+    def is_lossless_fifo(self) -> bool:
+        """Nothing random: no loss, duplication, reordering or jitter (only fixed delay)."""
+        return not (self.drop or self.duplicate or self.reorder or self.jitter)
+
     def __post_init__(self) -> None:
         for name in ("drop", "duplicate", "reorder"):
             p = getattr(self, name)

@@ -243,28 +243,35 @@ class LoopbackNetwork:
         """Put one notification from ``src`` on the wire to ``dst``."""
         src.counters.sent += 1
         self.counters.sent += 1
-        a, b = src.base_name, base_name(dst)
         target = self._all.get(dst)
-        if target is None or not target.alive or (a, b) in self._cut:
+        if target is None or not target.alive:
             self._count_drop(src)
             return
-        dice = self._dice.get((a, b))
-        if dice is None:
-            dice = self._dice[(a, b)] = LinkDice(self.seed, a, b)
-        fate = dice.roll(self.link(a, b))
-        if fate.dropped:
+        key = (src.base_name, target.base_name)
+        if key in self._cut:
             self._count_drop(src)
             return
-        when = self._now + fate.latency
-        key = (src.local_peer, dst)
-        if fate.reordered:
+        faults = self._links.get(key, self.default_link)
+        if faults.is_lossless_fifo:  # fast path: nothing to roll
+            when, reordered, copies = self._now + faults.delay, False, 1
+        else:
+            dice = self._dice.get(key)
+            if dice is None:
+                dice = self._dice[key] = LinkDice(self.seed, *key)
+            fate = dice.roll(faults)
+            if fate.dropped:
+                self._count_drop(src)
+                return
+            when, reordered = self._now + fate.latency, fate.reordered
+            copies = 2 if fate.duplicated else 1
+        if reordered:
             src.counters.reordered += 1
             self.counters.reordered += 1
         else:
-            when = max(when, self._fifo.get(key, when))
-            self._fifo[key] = when
-        copies = 2 if fate.duplicated else 1
-        if fate.duplicated:
+            fifo = (src.local_peer, dst)
+            when = max(when, self._fifo.get(fifo, when))
+            self._fifo[fifo] = when
+        if copies == 2:
             src.counters.duplicated += 1
             self.counters.duplicated += 1
         received = Received(peer=src.local_peer, payload=payload)
