@@ -172,37 +172,55 @@ class _Node:
         """Send ``payload`` to ``peer`` every ``interval_s`` between commands."""
         self.heartbeats.append(_Heartbeat(key, peer, payload, interval_s, time.monotonic()))
 
-    def detect_loss(
-        self, key: str, peer: PeerId, *, every_s: float, timeout_s: float = 5.0
-    ) -> dict[str, float]:
-        """Send to ``peer`` every ``every_s`` until PeerLost; report when (monotonic)."""
-        t = self.transports[key]
+    def detect_losses(
+        self, watch: list[tuple[str, PeerId, bool]], *, every_s: float, timeout_s: float = 5.0
+    ) -> list[dict[str, float]]:
+        """Tick every ``every_s`` until each watched (endpoint, peer) reported PeerLost.
+
+        For a watch with ``send=True`` the endpoint also sends to the peer each
+        tick (a binding's heartbeat or acknowledgement); with ``False`` it only
+        polls (so only an auto-probe can find the loss). Returns, per watch,
+        the monotonic time of the PeerLost, of the first failed send, and the
+        number of sends that succeeded before.
+        """
         start = time.monotonic()
-        sends = 0
-        first_failed_send: float | None = None
-        while time.monotonic() - start < timeout_s:
-            before = time.monotonic()
-            try:
-                t.send(peer, b"tick")
-                sends += 1
-            except PeerUnreachable:
-                first_failed_send = first_failed_send or before
-            for ev in t.poll():
-                if isinstance(ev, PeerLost) and ev.peer == peer:
-                    return {
-                        "lost_at": time.monotonic(),
-                        "failed_send_at": first_failed_send or before,
-                        "sends": float(sends),
-                    }
-                self.events[key].append(ev)
+        found: dict[int, dict[str, float]] = {}
+        failed_at: dict[int, float] = {}
+        sends: dict[int, int] = {}
+        while len(found) < len(watch):
+            if time.monotonic() - start > timeout_s:
+                raise TimeoutError(f"no PeerLost for {watch} within {timeout_s} s")
+            for i, (key, peer, send) in enumerate(watch):
+                if i in found or not send:
+                    continue
+                before = time.monotonic()
+                try:
+                    self.transports[key].send(peer, b"tick")
+                    sends[i] = sends.get(i, 0) + 1
+                except PeerUnreachable:
+                    failed_at.setdefault(i, before)
+            for key, t in self.transports.items():
+                for ev in t.poll():
+                    self.events[key].append(ev)
+                    if not isinstance(ev, PeerLost):
+                        continue
+                    for i, (wkey, peer, _) in enumerate(watch):
+                        if wkey == key and peer == ev.peer and i not in found:
+                            found[i] = {
+                                "lost_at": time.monotonic(),
+                                "failed_send_at": failed_at.get(i, -1.0),
+                                "sends": float(sends.get(i, 0)),
+                            }
             time.sleep(every_s)
-        raise TimeoutError(f"no PeerLost for {peer} within {timeout_s} s")
+        return [found[i] for i in range(len(watch))]
 
     # -- side channel -----------------------------------------------------------
 
     def serve(self, compat_hash: bytes, ranks: dict[int, str], secret: bytes | None = None) -> int:
         from kvproto_transports.sidechannel import SideChannelServer
 
+        if self.server is not None:
+            self.server.close()
         self.server = SideChannelServer(
             host="127.0.0.1", base_port=0, compat_hash=compat_hash, secret=secret
         )
@@ -328,6 +346,10 @@ class NodeProcess:
         assert not self._pending, "one command at a time"
         self._conn.send((name, kwargs))
         self._pending = True
+
+    def ready(self) -> bool:
+        """The command started by :meth:`submit` has answered."""
+        return self._conn.poll(0)
 
     def result(self, timeout_s: float = 60.0) -> Any:
         """The value of the command started by :meth:`submit`."""
