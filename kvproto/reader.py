@@ -67,6 +67,7 @@ _HOLDER_ALREADY_ENDED = frozenset(
     {FailReason.LEASE_LOST, FailReason.REVOKED, FailReason.HOLDER_RESTARTED}
 )
 _CLAIM_BYTES = 1 + 9 + 18
+_ID_BYTES = 9
 _FRAME_OVERHEAD = 64
 _INFLIGHT_KEEP = 64
 
@@ -102,6 +103,8 @@ class _Inflight:
     sent: float
     claims: tuple[int, ...]
     aborts: tuple[int, ...]
+    final: bool = True
+    """Last frame of its tick: the only one whose count and digest state the whole set."""
 
 
 @dataclass(slots=True)
@@ -471,6 +474,10 @@ class Reader:
         for lease in ack.lost:
             session.pending_claims.pop(lease, None)
             self._lease_failed(now, session, lease, FailReason.LEASE_LOST)
+        if not sent.final:
+            # An earlier frame of a split batch: its count excludes claims still in
+            # flight, so neither a mismatch nor a match says anything about our set.
+            return
         if ack.resync:
             session.want_full = True
         elif ack.seq > session.in_sync_seq:
@@ -520,41 +527,54 @@ class Reader:
         )
         claims = [wire.Claim(lease=lease, proof=p) for lease, p in session.pending_claims.items()]
         aborts = [wire.Claim(lease=lease, proof=p) for lease, p in session.pending_aborts.items()]
-        full = wire.delta_encode(session.leases) if session.want_full else None
-        if full is not None:
+        budget = self._budget() - _FRAME_OVERHEAD
+        full: list[int] | None = None
+        if session.want_full:
             self.stats.resyncs += 1
             session.want_full = False
-        room = max(1, (self._budget() - _FRAME_OVERHEAD) // _CLAIM_BYTES)
-        if full is not None and len(full) > (self._budget() - _FRAME_OVERHEAD) // 9:
-            # Too many to list in one frame: fall back to explicit claims of every lease.
-            claims = [
-                wire.Claim(lease=lease, proof=self._proof_of(rid))
-                for lease, rid in session.leases.items()
-            ]
-            full = None
-        first = True
-        while first or claims or aborts:
-            first = False
-            part_claims, claims = claims[:room], claims[room:]
-            part_aborts, aborts = (
-                aborts[: room - len(part_claims)],
-                aborts[room - len(part_claims) :],
-            )
+            if len(session.leases) <= budget // _ID_BYTES:
+                # The full list goes alone in the first frame and names only leases the
+                # holder can already know: claims travel in the frames after it, and a
+                # listed lease that was never claimed would be answered "lost".
+                pending = {c.lease for c in claims}
+                full = wire.delta_encode(lease for lease in session.leases if lease not in pending)
+            else:
+                # Too many to list in one frame: fall back to explicit claims of every lease.
+                claims = [
+                    wire.Claim(lease=lease, proof=self._proof_of(rid))
+                    for lease, rid in session.leases.items()
+                ]
+        # Aborts first, then claims, ``room`` per frame. Each frame's count and digest
+        # describe the set the holder should hold once it has applied that frame (our
+        # set minus the claims still to come), so a split batch does not look like a
+        # divergence; only the last frame states our whole set.
+        room = max(1, budget // _CLAIM_BYTES)
+        items = [(False, c) for c in aborts] + [(True, c) for c in claims]
+        parts = [items[i : i + room] for i in range(0, len(items), room)] or [[]]
+        if full is not None and items:
+            parts.insert(0, [])
+        later_count = len(claims)
+        later_digest = wire.digest(c.lease for c in claims)
+        for index, part in enumerate(parts):
+            part_claims = [c for is_claim, c in part if is_claim]
+            part_aborts = [c for is_claim, c in part if not is_claim]
+            later_count -= len(part_claims)
+            later_digest = (later_digest - wire.digest(c.lease for c in part_claims)) & wire.MAX_U64
             session.seq += 1
             hb = wire.Heartbeat(
                 seq=session.seq,
                 claims=part_claims,
                 aborts=part_aborts,
-                count=session.count,
-                digest=session.digest,
-                full=full,
+                count=session.count - later_count,
+                digest=(session.digest - later_digest) & wire.MAX_U64,
+                full=full if index == 0 else None,
             )
-            full = None
             payload = wire.encode(hb, session.key)
             session.inflight[session.seq] = _Inflight(
                 sent=now,
                 claims=tuple(c.lease for c in part_claims),
                 aborts=tuple(c.lease for c in part_aborts),
+                final=index == len(parts) - 1,
             )
             self.stats.heartbeats_sent += 1
             self.stats.heartbeat_bytes += len(payload)
