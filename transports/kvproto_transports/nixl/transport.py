@@ -323,6 +323,17 @@ class NixlTransport:
         self._events.clear()
         return events
 
+    def progress(self) -> None:
+        """Drive NIXL without taking events: they wait for the next ``poll``.
+
+        For a caller that holds several endpoints on one thread without NIXL's
+        progress thread and polls only some of them at a time (the conformance
+        kit's group): the others' sends and served READs still move.
+        """
+        self._check()
+        self._drain_notifications()
+        self._check_reads()
+
     # --- memory and reads ------------------------------------------------
 
     def register_blocks(self, layout: BlockLayout) -> None:
@@ -440,6 +451,22 @@ class NixlTransport:
         if self._reg_descs is not None:
             _quiet(self._agent.deregister_memory, self._reg_descs)
             self._reg_descs = None
+        self._events.clear()
+        self._agent = None
+
+    def _crash(self) -> None:
+        """Drop the agent with no goodbye at all (no invalidation, no deregistration).
+
+        The nearest in-process stand-in for ``kill -9``, for the conformance
+        kit: once the last handle is gone the UCX worker is destroyed and its
+        connections close under the peers' feet.
+        """
+        self._closed = True
+        self._reads.clear()
+        for state in self._peers.values():
+            state.dlists.clear()
+        self._peers.clear()
+        self._local_dlists.clear()
         self._events.clear()
         self._agent = None
 
