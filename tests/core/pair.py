@@ -106,7 +106,9 @@ class Pair:
         self.deliver(now)
         return ticket
 
-    def read(self, now: float, request_id: str = "r1", *, done_arrives: float | None = None) -> None:
+    def read(
+        self, now: float, request_id: str = "r1", *, done_arrives: float | None = None
+    ) -> None:
         """Begin the read; the done frame reaches the holder at ``done_arrives`` (default now)."""
         from kvproto.events import ReadGo
 

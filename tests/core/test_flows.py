@@ -1,0 +1,398 @@
+"""A holder and a reader end to end, with exact times (default config: 30 s lease,
+5 s interval, 20 s extension, 5 s read margin, 5 s ack timeout, 2 done retries)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvproto import wire
+from kvproto.config import LeaseConfig
+from kvproto.errors import LocalProtocolError
+from kvproto.events import FailReason, ReadDeclined, ReadGo
+from kvproto.states import LeaseState, ReadState, SessionState
+
+from .net import LinkFaults, Net
+
+DURATION, INTERVAL, EXTENSION = 30.0, 5.0, 20.0
+
+
+def one_pair(config: LeaseConfig | None = None, *, latency: float = 0.0) -> Net:
+    net = Net(config)
+    net.add_holder("P0")
+    net.add_reader("D0")
+    net.default_faults = LinkFaults(latency=latency)
+    return net
+
+
+def granted(net: Net, rid: str = "r1", *, ttl: float | None = None, reader: str = "D0") -> int:
+    ticket = net.grant("P0", "p-" + rid, ttl=ttl)
+    net.track(reader, rid, ticket)
+    return ticket.lease
+
+
+def test_normal_flow_exact_times() -> None:
+    net = one_pair()
+    lease = granted(net)
+    h = net.holder("P0")
+    assert h.deadline(lease) == DURATION  # the grant's own deadline
+    net.run_until(22.0)
+    # Heartbeats: at Welcome (t=0, vLLM dropped this one), then every interval.
+    assert net.arrivals("D0", "P0", wire.Heartbeat) == [0.0, 5.0, 10.0, 15.0, 20.0]
+    # Renewal is max(old, arrival + extension): 30 until the 15 s beat, then 35, 40.
+    assert h.deadline(lease) == 20.0 + EXTENSION
+    assert h.lease_state(lease) is LeaseState.HELD
+    assert net.reader("D0").state("r1") == {0: ReadState.CLAIMED}
+    go = net.start_read("D0", "r1")
+    assert isinstance(go, ReadGo) and len(go.orders) == 1
+    net.run_until(22.0)
+    assert net.freed_leases() == [(22.0, lease, "DONE")]
+    assert [(t, rid) for t, _, rid in net.confirmed] == [(22.0, "r1")]
+    assert net.failed == []
+    assert net.arrivals("P0", "D0", wire.DoneAck) == [22.0]
+    assert net.reader("D0").state("r1") == {0: ReadState.CONFIRMED}
+    # Nothing is left to renew: at most the already scheduled tick follows the read.
+    net.run_until(200.0)
+    assert net.arrivals("D0", "P0", wire.Heartbeat)[5:] == [25.0]
+    stats = h.stats_snapshot()
+    assert stats["released_done"] == 1 and stats["leases_held"] == 0
+    assert stats["heartbeats"] == 6
+    net.check_no_silent_overlap()
+
+
+def test_deadline_tracks_each_heartbeat_arrival_with_latency() -> None:
+    net = one_pair(latency=0.25)
+    lease = granted(net)
+    h = net.holder("P0")
+    # Hello at 0 arrives 0.25, Welcome back at 0.5, first heartbeat arrives 0.75.
+    net.run_until(30.0)
+    arrivals = net.arrivals("D0", "P0", wire.Heartbeat)
+    assert arrivals == [0.75, 5.75, 10.75, 15.75, 20.75, 25.75]
+    assert h.deadline(lease) == 25.75 + EXTENSION
+
+
+@pytest.mark.parametrize("crash_at", [3.0, 12.0, 23.0, 47.0])
+def test_reader_crash_frees_at_last_heartbeat_plus_extension(crash_at: float) -> None:
+    net = one_pair()
+    lease = granted(net)
+    net.run_until(crash_at)
+    last_beat = net.arrivals("D0", "P0", wire.Heartbeat)[-1]
+    net.crash("D0")
+    net.run_until(500.0)
+    expected = max(DURATION, last_beat + EXTENSION)
+    assert net.freed_leases() == [(expected, lease, "EXPIRED")]
+    # Liveness bound: within extension + one tick of the crash (or the grant's own lease).
+    assert expected <= max(DURATION, crash_at + EXTENSION + INTERVAL)
+    assert net.holder("P0").live_leases() == 0
+
+
+def test_overload_ten_leases_long_queue_never_freed_then_read_succeeds() -> None:
+    net = one_pair()
+    lease = granted(net)
+    h = net.holder("P0")
+    for t in range(10, 301, 10):
+        net.run_until(float(t))
+        assert h.lease_state(lease) is LeaseState.HELD
+        assert h.deadline(lease) >= t + EXTENSION - INTERVAL
+    assert net.freed == []
+    assert net.reader("D0").begin_read is not None
+    go = net.start_read("D0", "r1", duration=0.5)
+    assert isinstance(go, ReadGo)
+    net.run_until(301.0)
+    assert net.freed_leases() == [(300.5, lease, "DONE")]
+    assert [rid for _, _, rid in net.confirmed] == ["r1"]
+    net.check_no_silent_overlap()
+
+
+def test_long_forward_pass_lapses_lease_and_late_read_is_fenced() -> None:
+    net = one_pair()
+    lease = granted(net)
+    net.run_until(20.5)  # last heartbeat arrived at 20: deadline 40
+    go = net.start_read("D0", "r1", duration=24.5)  # the READ ends at 45
+    assert isinstance(go, ReadGo)
+    net.pause("D0", 70.0)  # the engine step holding the read runs 50 s: no heartbeats
+    net.run_until(44.9)
+    assert net.freed_leases() == [(40.0, lease, "EXPIRED")]
+    net.run_until(100.0)
+    # The done reached the holder at 45, after the free: answered LATE at once; the
+    # paused reader sees the verdict when its step ends.
+    acks = [(t, wire.decode(p)) for t, src, _, p in net.sent if src == "P0"]
+    assert [(t, m) for t, m in acks if isinstance(m, wire.DoneAck)] == [
+        (45.0, wire.DoneAck(lease=lease, verdict=wire.DoneVerdict.LATE))
+    ]
+    assert net.failures("D0") == [(70.0, "r1", "FENCED_LATE")]
+    assert net.confirmed == []
+    assert net.holder("P0").stats.late_done == 1
+    assert net.reader("D0").stats.fenced == 1
+    net.check_no_silent_overlap()
+
+
+def test_read_after_stalled_heartbeats_is_declined_before_it_starts() -> None:
+    net = one_pair()
+    lease = granted(net)
+    net.run_until(21.0)
+    net.pause("D0", 60.0)
+    net.run_until(60.0)
+    assert net.freed_leases() == [(40.0, lease, "EXPIRED")]
+    result = net.start_read("D0", "r1")
+    assert result == ReadDeclined(reason=FailReason.DEADLINE_TOO_CLOSE)
+    assert net.failures("D0")[0][2] in ("DEADLINE_TOO_CLOSE", "LEASE_LOST")
+    assert net.transfers == []
+
+
+def test_read_declined_within_read_margin_of_known_deadline() -> None:
+    net = one_pair(latency=0.1)
+    granted(net)
+    net.run_until(20.2)  # heartbeat sent at 20.2, acknowledged at 20.4
+    net.pause("D0", 35.0)  # bound: 20.2 + 20 * (1 - 500 ppm) = 40.19
+    net.run_until(35.0)  # the step ends: a heartbeat leaves now, its ack is not back yet
+    r = net.reader("D0")
+    assert r.deadline_bound(net.local("D0"), "r1") == pytest.approx(40.19)
+    assert net.holder("P0").deadline(1) == pytest.approx(40.3)  # the true one, later
+    # 35 + 5 < 40.19: still safe to start now ...
+    assert r.deadline_bound(35.0, "r1") > 35.0 + 5.0
+    # ... but not 0.2 s later without a fresher acknowledgement.
+    net.nodes["D0"].last_local = 35.2
+    assert isinstance(net.start_read("D0", "r1"), ReadDeclined)
+
+
+def test_duplicated_done_never_frees_early_with_two_consumers() -> None:
+    net = Net()
+    net.add_holder("P0")  # holder TP 1
+    net.add_reader("D0", rank=0, tp_size=2)
+    net.add_reader("D1", rank=1, tp_size=2)
+    ticket = net.grant("P0", "p-r1")
+    net.track("D0", "r1", ticket)
+    net.track("D1", "r1", ticket)
+    net.run_until(6.0)
+    go = net.start_read("D0", "r1")
+    assert isinstance(go, ReadGo)
+    net.run_until(6.0)
+    notify = go.orders[0].notify
+    for _ in range(3):  # the network duplicates rank 0's done
+        net.holder("P0").handle_frame(6.0, "D0", notify)
+    net.collect()
+    h = net.holder("P0")
+    assert h.lease_state(ticket.lease) is LeaseState.HELD
+    assert net.freed == []
+    assert h.stats.duplicate_done == 3
+    net.run_until(30.0)
+    assert net.freed == []  # rank 1 still heartbeats it
+    net.start_read("D1", "r1")
+    net.run_until(31.0)
+    assert net.freed_leases() == [(30.0, ticket.lease, "DONE")]
+    assert sorted(r for _, r, _ in net.confirmed) == ["D0", "D1"]
+    net.check_no_silent_overlap()
+
+
+def test_lost_done_ack_is_recovered_by_resending_the_done() -> None:
+    net = one_pair()
+    lease = granted(net)
+    net.run_until(7.0)
+    dropped: list[float] = []
+
+    def drop_first_done_ack(src: str, dst: str, payload: bytes) -> bool:
+        if isinstance(wire.decode(payload), wire.DoneAck) and not dropped:
+            dropped.append(net.now)
+            return False
+        return True
+
+    net.frame_filter = drop_first_done_ack
+    net.start_read("D0", "r1", duration=1.0)
+    net.run_until(20.0)
+    assert dropped == [8.0]
+    assert net.freed_leases() == [(8.0, lease, "DONE")]
+    # Resent after ack_timeout / (done_retries + 1) = 5/3 s; the duplicate is answered HELD.
+    assert net.arrivals("P0", "D0", wire.DoneAck) == [pytest.approx(8.0 + 5.0 / 3)]
+    assert [(t, rid) for t, _, rid in net.confirmed] == [(pytest.approx(8.0 + 5.0 / 3), "r1")]
+    assert net.reader("D0").stats.done_resent == 1
+    assert net.holder("P0").stats.duplicate_done == 1
+
+
+def test_all_done_frames_lost_fences_without_ack() -> None:
+    net = one_pair()
+    lease = granted(net)
+    net.run_until(7.0)
+    net.frame_filter = lambda s, d, p: not isinstance(wire.decode(p), wire.Done)
+    net.start_read("D0", "r1", duration=1.0, lose_done=True)
+    net.run_until(30.0)
+    assert net.failures("D0") == [(13.0, "r1", "FENCED_NO_ACK")]
+    assert net.reader("D0").stats.done_resent == 2
+    assert net.confirmed == []
+    # The reader gave the lease up; the holder frees it at once.
+    assert net.freed_leases() == [(13.0, lease, "ABORTED")]
+
+
+def test_lost_heartbeats_within_margin_keep_the_lease() -> None:
+    net = one_pair()
+    lease = granted(net)
+    beats = []
+
+    def drop_three(src: str, dst: str, payload: bytes) -> bool:
+        if isinstance(wire.decode(payload), wire.Heartbeat):
+            beats.append(net.now)
+            return net.now not in (5.0, 10.0, 15.0)
+        return True
+
+    net.frame_filter = drop_three
+    net.run_until(60.0)
+    assert net.freed == []
+    assert net.holder("P0").deadline(lease) == 60.0 + EXTENSION
+
+
+def test_lost_heartbeats_beyond_margin_expire_and_reader_learns() -> None:
+    net = one_pair()
+    lease = granted(net)
+    net.frame_filter = lambda s, d, p: not (
+        isinstance(wire.decode(p), wire.Heartbeat) and 5.0 <= net.now <= 25.0
+    )
+    net.run_until(40.0)
+    assert net.freed_leases() == [(30.0, lease, "EXPIRED")]
+    # The 30 s heartbeat no longer matches the holder's view (resync asked); the full
+    # list in the next heartbeat is answered "lost": the reader knows one tick later.
+    assert net.failures("D0") == [(35.0, "r1", "LEASE_LOST")]
+    assert net.reader("D0").state("r1") == {0: ReadState.FAILED}
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_drop_dup_reorder_never_overlaps_silently(seed: int) -> None:
+    net = Net(seed=seed)
+    net.add_holder("P0")
+    net.add_reader("D0")
+    net.default_faults = LinkFaults(drop=0.2, dup=0.2, jitter=3.0, latency=0.1)
+    leases = {}
+    for i in range(6):
+        net.run_until(i * 2.0)
+        leases[f"r{i}"] = granted(net, f"r{i}")
+    for i in range(6):
+        net.run_until(20.0 + i * 7.0)
+        r = net.reader("D0")
+        state = r.state(f"r{i}")
+        unread = all(s in (ReadState.TRACKED, ReadState.CLAIMED) for s in state.values())
+        if unread and r.ready_to_read(f"r{i}"):
+            net.start_read("D0", f"r{i}", duration=float(i % 3))
+    net.run_until(400.0)
+    net.check_no_silent_overlap()
+    freed = [lease for _, lease, _ in net.freed_leases()]
+    assert len(freed) == len(set(freed)), "a lease was freed twice"
+    assert set(freed) == set(leases.values()), "every lease ends eventually"
+    assert net.holder("P0").live_leases() == 0
+
+
+def test_abort_before_read_frees_at_once() -> None:
+    net = one_pair()
+    lease = granted(net)
+    net.run_until(10.0)
+    net.run_until(12.5)
+    net.finish("D0", "r1")
+    net.run_until(12.5)
+    assert net.freed_leases() == [(12.5, lease, "ABORTED")]
+    assert net.holder("P0").stats.aborted == 1
+
+
+def test_abort_before_the_session_opens_frees_when_it_opens() -> None:
+    """vLLM #41269: a request rejected before admission must not strand its blocks."""
+    net = one_pair(latency=0.5)
+    lease = granted(net)
+    net.run_until(0.2)  # Hello in flight, no Welcome yet
+    assert net.reader("D0").session_state("P", 0) is SessionState.HELLO_SENT
+    net.finish("D0", "r1")
+    net.run_until(100.0)
+    # Welcome arrives at 1.0, the abort in the first heartbeat at 1.5.
+    assert net.freed_leases() == [(1.5, lease, "ABORTED")]
+
+
+def test_peer_lost_on_holder_frees_only_that_readers_leases() -> None:
+    net = Net()
+    net.add_holder("P0")
+    net.add_reader("D0")
+    net.add_reader("E0", engine="E")
+    a = granted(net, "a", reader="D0")
+    b = granted(net, "b", reader="E0")
+    net.run_until(12.0)
+    net.holder("P0").peer_lost(12.0, "D0")
+    net.collect()
+    assert net.freed_leases() == [(12.0, a, "PEER_LOST")]
+    h = net.holder("P0")
+    assert h.lease_state(a) is LeaseState.REVOKED
+    assert h.lease_state(b) is LeaseState.HELD
+    net.run_until(100.0)
+    assert h.lease_state(b) is LeaseState.HELD
+
+
+def test_transport_peer_lost_on_reader_fails_its_requests() -> None:
+    net = one_pair()
+    granted(net)
+    net.run_until(5.0)
+    net.reader("D0").peer_lost(5.0, "P0")
+    net.collect()
+    assert net.failures("D0") == [(5.0, "r1", "LEASE_LOST")]
+
+
+def test_revoke_fails_the_reader_with_revoked() -> None:
+    net = one_pair(latency=0.1)
+    lease = granted(net)
+    net.run_until(9.0)
+    net.holder("P0").revoke(net.local("P0"), lease)
+    net.collect()
+    net.run_until(10.0)
+    assert net.freed_leases() == [(9.0, lease, "REVOKED")]
+    assert net.failures("D0") == [(pytest.approx(9.1), "r1", "REVOKED")]
+    with pytest.raises(LocalProtocolError, match=r"revoked|cannot take"):
+        net.holder("P0").revoke(10.0, lease)
+
+
+def test_revoke_during_read_fences_the_read() -> None:
+    net = one_pair()
+    lease = granted(net)
+    net.run_until(7.0)
+    net.start_read("D0", "r1", duration=3.0)
+    net.run_until(8.0)
+    net.holder("P0").revoke(8.0, lease)
+    net.run_until(30.0)
+    assert net.freed_leases() == [(8.0, lease, "REVOKED")]
+    assert net.failures("D0") == [(8.0, "r1", "REVOKED")]
+    assert net.confirmed == []
+
+
+def test_max_hold_caps_a_lease_that_is_heartbeated_forever() -> None:
+    config = LeaseConfig(decoder_kv_blocks_ttl=60.0, max_hold=60.0)
+    net = one_pair(config)
+    lease = granted(net)
+    net.run_until(59.9)
+    assert net.freed == []
+    net.run_until(100.0)
+    assert net.freed_leases() == [(60.0, lease, "MAX_HOLD")]
+    assert net.failures("D0") == [(60.0, "r1", "REVOKED")]
+    assert net.holder("P0").stats.max_hold == 1
+
+
+def test_ticket_of_a_restarted_holder_fails_holder_restarted() -> None:
+    net = one_pair()
+    ticket = net.grant("P0", "p-r1")
+    net.nodes["P0"].core = type(net.holder("P0"))(
+        net.config, engine="P", incarnation=8
+    )  # P restarted before D connected
+    net.track("D0", "r1", ticket)
+    net.run_until(1.0)
+    assert net.failures("D0") == [(0.0, "r1", "HOLDER_RESTARTED")]
+
+
+def test_holder_restart_under_an_open_session_fails_holder_restarted() -> None:
+    net = one_pair()
+    granted(net)
+    net.run_until(7.0)
+    net.nodes["P0"].core = type(net.holder("P0"))(net.config, engine="P", incarnation=8)
+    net.run_until(12.0)
+    # The 10 s heartbeat gets Reject(NO_SESSION); D says Hello again; Welcome(8) tells it.
+    assert net.failures("D0") == [(10.0, "r1", "HOLDER_RESTARTED")]
+    assert net.reader("D0").session_state("P", 0) is SessionState.OPEN
+
+
+def test_stale_ticket_converted_with_clock_sample_is_refused() -> None:
+    net = one_pair()
+    granted(net, "a")  # opens the session; gives the reader a clock sample
+    net.run_until(50.0)
+    late = net.grant("P0", "p-b")
+    net.run_until(100.0)  # the ticket waited 50 s at the client: its 30 s lease lapsed
+    net.track("D0", "b", late)
+    assert net.failures("D0")[-1] == (100.0, "b", "BAD_TICKET")
