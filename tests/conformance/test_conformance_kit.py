@@ -28,6 +28,7 @@ from kvproto_transports.conformance import (
     discovery,
     load_factory,
 )
+from kvproto_transports.conformance.docs import cases_markdown
 from kvproto_transports.conformance.report import junit_xml, print_table
 from kvproto_transports.loopback import LoopbackGroup
 
@@ -179,3 +180,11 @@ def test_host_memory_gives_real_addresses_with_real_bytes() -> None:
     with pytest.raises(IndexError):
         mem.read_block(layout, 0, 3)
 
+
+
+def test_the_authors_guide_documents_every_case() -> None:
+    guide = (Path(__file__).parents[2] / "spec" / "transport-authors.md").read_text()
+    assert cases_markdown() in guide  # regenerate: python -m kvproto_transports.conformance.docs
+    for c in all_cases():
+        assert f"**{c.id} {c.title}** ({c.level.value})" in guide, c.id
+        assert c.protects in guide, c.id

@@ -299,3 +299,19 @@ def test_payload_is_copied_at_send() -> None:
     buf[:] = b"later!"
     net.settle()
     assert [e.payload for e in b.poll() if isinstance(e, Received)] == [b"before", b"after!"]
+
+
+def test_a_crash_may_be_noticed_sooner_or_later_than_the_default() -> None:
+    net = LoopbackNetwork(detection_delay=1.0)
+    a, _, _, _ = pair(net)
+    c = net.endpoint("C")
+    a.add_peer(c.metadata())
+    net.crash("B", detection_delay=0.1)
+    net.crash("C")
+    net.crash("C", detection_delay=0.0)  # already dead: no second report
+    events = []
+    while (t := net.next_event_time()) is not None:
+        net.advance(t)
+        events += [(t, e) for e in a.poll()]
+    assert events == [(0.1, PeerLost(peer="B#1", reason="crashed")),
+                      (1.0, PeerLost(peer="C#1", reason="crashed"))]

@@ -218,8 +218,9 @@ def close_idempotent(ctx: Ctx) -> Outcome:
     Level.MUST,
     requirement="send() on a closed endpoint raises TransportClosed (a typed error) and "
     "sends nothing.",
-    protects="A binding that keeps sending heartbeats on a closed endpoint must learn it at "
-    "once; silently swallowed sends look like a live reader to nobody and a dead one to no one.",
+    protects="A reader whose endpoint was closed (shutdown, reconnect) must learn it at the "
+    "first heartbeat it sends; a send that silently succeeds lets the holder expire every lease "
+    "while the reader believes it is renewing them.",
 )
 def send_after_close(ctx: Ctx) -> Outcome:
     net = ctx.net(2)

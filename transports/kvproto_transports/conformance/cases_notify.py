@@ -130,10 +130,11 @@ def over_max_refused(ctx: Ctx) -> Outcome:
     if cap is None:
         raise Unsupported("the transport declares no maximum notification size")
     problems = []
+    accepted = []
     for size in (cap + 1, 2 * cap):
         try:
             net.ep(0).send(peer, pattern("T2.4", size))
-            problems.append(f"{size} B accepted without FrameTooLarge")
+            accepted.append(size)
         except FrameTooLarge:
             pass
         except Exception as exc:
@@ -142,9 +143,11 @@ def over_max_refused(ctx: Ctx) -> Outcome:
     net.wait_until(lambda: b"after" in net.payloads(1))
     net.settle()
     got = [p for p in net.payloads(1) if p != b"after"]
-    if problems:
-        fate = f"; {plural(len(got), 'of them')} delivered" if got else "; silently dropped"
-        problems[-1] += fate
+    if accepted:
+        fate = (f"{plural(len(got), 'payload')} of {[len(p) for p in got]} B delivered"
+                if got else "silently dropped")
+        problems.append(f"{' and '.join(f'{n} B' for n in accepted)} accepted without "
+                        f"FrameTooLarge; {fate}")
     if b"after" not in net.payloads(1):
         problems.append("a normal notification after the refusal never arrived")
     if problems:
@@ -173,10 +176,18 @@ def never_truncated(ctx: Ctx) -> Outcome:
     net.ep(0).send(peer, b"marker")
     net.wait_until(lambda: b"marker" in net.payloads(1))
     net.settle()
-    bad = [short(p) for p in net.payloads(1) if p != b"marker" and p not in sent]
+    bad = [_describe_alteration(p, sent) for p in net.payloads(1)
+           if p != b"marker" and p not in sent]
     if bad:
-        return Outcome(ok=False, detail=f"delivered altered: {bad} (sent {cap + 1} B, {cap + 7} B)")
+        return Outcome(ok=False, detail="delivered altered: " + "; ".join(bad))
     return Outcome(ok=True, detail="no truncated or altered oversize payload delivered")
+
+
+def _describe_alteration(got: bytes, sent: list[bytes]) -> str:
+    for p in sent:
+        if p.startswith(got):
+            return f"truncated to {len(got)} of {len(p)} B"
+    return f"unknown payload {short(got)}"
 
 
 def _numbered_traffic(ctx: Ctx, n: int = 1000) -> tuple[Net, list[bytes], list[bytes]]:

@@ -40,7 +40,9 @@ def print_table(report: Report, out: TextIO | None = None) -> None:
     for c in report.cases:
         table.add_row(c.id, c.level.value, f"[{STYLE[c.verdict]}]{c.verdict.value}[/]",
                       c.title, measured_text(c), c.detail)
-    console = Console(file=out, width=160) if out is not None else Console()
+    console = Console(file=out)
+    if not console.is_terminal:  # CI logs: do not wrap every cell at 80 columns
+        console = Console(file=out, width=160)
     console.print(table)
     console.print(summary_line(report))
 

@@ -379,7 +379,7 @@ class LoopbackTransport:
             return
         self._die("closed")
 
-    def _die(self, state: str) -> None:
+    def _die(self, state: str, detection_delay: float | None = None) -> None:
         # Whatever the reason, the endpoint's memory and queues are gone at
         # once: a crashed process keeps nothing, and a closed one must not be
         # readable any more (its memory may be reused).
@@ -388,12 +388,12 @@ class LoopbackTransport:
         self._layout = None
         self._inbox.clear()
         self._peers.clear()
-        self._net.departed(self, state)
+        self._net.departed(self, state, detection_delay)
 
-    def crash(self) -> None:
-        """Die as if by ``kill -9`` (use ``net.crash(name)``)."""
+    def crash(self, *, detection_delay: float | None = None) -> None:
+        """Die as if by ``kill -9`` (use ``net.crash(name)``); no-op if already dead."""
         if self._state == "open":
-            self._die("crashed")
+            self._die("crashed", detection_delay)
 
     def __repr__(self) -> str:
         return f"<LoopbackTransport {self.local_peer} {self._state}>"

@@ -165,12 +165,16 @@ class LoopbackNetwork:
         """Whether ``peer`` names an incarnation ever created on this network."""
         return peer in self._all
 
-    def crash(self, name: str) -> None:
-        """Kill the current incarnation of ``name`` like ``kill -9``; no-op if already dead."""
+    def crash(self, name: str, *, detection_delay: float | None = None) -> None:
+        """Kill the current incarnation of ``name`` like ``kill -9``; no-op if already dead.
+
+        ``detection_delay`` overrides the network's for this death only (a peer
+        that dies mid-send is noticed sooner than one that goes silent).
+        """
         ep = self._current.get(base_name(name))
         if ep is None:
             raise KeyError(name)
-        ep.crash()
+        ep.crash(detection_delay=detection_delay)
 
     def restart(self, name: str) -> LoopbackTransport:
         """Crash ``name`` if alive and start its next incarnation (no peers, no memory)."""
@@ -184,11 +188,13 @@ class LoopbackNetwork:
             incarnation=old.incarnation + 1,
         )
 
-    def departed(self, ep: LoopbackTransport, reason: str) -> None:
+    def departed(
+        self, ep: LoopbackTransport, reason: str, detection_delay: float | None = None
+    ) -> None:
         """Called by an endpoint that crashed or closed: tell the peers that know it."""
         for other in self._current.values():
             if other is not ep and other.alive and other.knows(ep.local_peer):
-                self._notice_loss(other, ep.local_peer, reason)
+                self._notice_loss(other, ep.local_peer, reason, detection_delay)
 
     def watch(self, observer: LoopbackTransport, peer: PeerId) -> None:
         """``observer`` added ``peer``; if it is already dead, report that in due time."""
@@ -196,14 +202,16 @@ class LoopbackNetwork:
         if not target.alive:
             self._notice_loss(observer, peer, "crashed or closed before it was added")
 
-    def _notice_loss(self, observer: LoopbackTransport, peer: PeerId, reason: str) -> None:
+    def _notice_loss(
+        self, observer: LoopbackTransport, peer: PeerId, reason: str, delay: float | None = None
+    ) -> None:
         def fire() -> None:
             if observer.alive and observer.mark_lost(peer):
                 observer.counters.peers_lost += 1
                 self.counters.peers_lost += 1
                 observer.deliver(PeerLost(peer=peer, reason=reason))
 
-        self._at(self._now + self.detection_delay, fire)
+        self._at(self._now + (self.detection_delay if delay is None else delay), fire)
 
     # --- links ---------------------------------------------------------------------
 
