@@ -1,0 +1,259 @@
+"""Drive one real vLLM engine in a child process, for P/D tests.
+
+Why a child process per engine: vLLM keeps the worker-side KV connector in a
+module global (``kv_transfer_state._KV_CONNECTOR_AGENT``) and freezes env vars
+after the first engine starts (``envs.enable_envs_cache``), so two engines in
+one Python process would share one worker connector and one side-channel port.
+Each child runs its engine in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
+so the scheduler, the worker and both connector instances live in that child
+and can be inspected there.
+
+Like vLLM's server loop (``EngineCore.run_busy_loop`` steps while
+``scheduler.has_requests()``), the child keeps stepping its engine whenever it
+is between commands and holds requests -- e.g. a prefill request whose blocks
+wait for the decoder's read. Without that, P would never poll NIXL
+notifications and never free anything.
+
+Children are started with the ``spawn`` method and re-import this module as
+``tests.vllm.engine_proc`` (spawn hands the parent's sys.path, which pytest
+gave the repo root, to the child); it imports no vLLM at top level.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import resource
+import socket
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Seconds a command may take before the parent gives up on the child.
+DEFAULT_TIMEOUT_S = 240.0
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (tiny race window; fine for tests)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineSpec:
+    """How to build one engine."""
+
+    model: str
+    """Directory of the (tiny) model checkpoint and tokenizer."""
+    kv_transfer_config: dict[str, Any] | None
+    """Passed as LLM(kv_transfer_config=...); None for a plain engine."""
+    side_channel_port: int
+    """VLLM_NIXL_SIDE_CHANNEL_PORT for this engine (each engine its own)."""
+    prefix_caching: bool = True
+    """enable_prefix_caching; P runs use False so a baseline run on P cannot
+    turn the later prefill into a local prefix hit."""
+    block_size: int = 32
+    """KV block size; the CPU attention backend needs a multiple of 32."""
+    max_model_len: int = 512
+    """Small, so the 1 GiB CPU KV cache holds many blocks."""
+    keep_kv_core_pinning: bool = False
+    """Stock NixlConnector's worker pins the engine thread to the last core of
+    each NUMA node on CPU (base_worker.py, os.sched_setaffinity); on a 2-core
+    box two engines then share one core. False disables that (in-process)."""
+    extra_env: dict[str, str] = field(default_factory=dict)
+    """More env vars set in the child before vLLM is imported."""
+
+
+def _set_env(spec: EngineSpec) -> None:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
+    os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.side_channel_port)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.update(spec.extra_env)
+
+
+def _disable_kv_core_pinning() -> None:
+    from vllm.platforms.cpu import CpuPlatform
+
+    # In-process only: the patched classmethod lives in this interpreter. The
+    # worker then skips its os.sched_setaffinity (no NUMA core list).
+    CpuPlatform.discover_numa_topology = classmethod(  # type: ignore[method-assign,assignment]
+        lambda cls: []
+    )
+
+
+class _Server:
+    """Runs in the child: owns the LLM and answers commands."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        from vllm import LLM
+
+        if not spec.keep_kv_core_pinning:
+            _disable_kv_core_pinning()
+        t0 = time.perf_counter()
+        self.llm = LLM(
+            model=spec.model,
+            tokenizer=spec.model,
+            dtype="float32",
+            enforce_eager=True,
+            block_size=spec.block_size,
+            max_model_len=spec.max_model_len,
+            max_num_seqs=8,
+            enable_prefix_caching=spec.prefix_caching,
+            kv_transfer_config=spec.kv_transfer_config,
+            disable_log_stats=False,  # Prometheus metrics for get_metrics()
+            seed=0,
+        )
+        self.init_s = time.perf_counter() - t0
+        client: Any = self.llm.llm_engine.engine_core  # InprocClient when in-process
+        self.core = client.engine_core
+        self.scheduler = self.core.scheduler
+
+    # -- commands (name -> method cmd_<name>) ---------------------------------
+    def cmd_info(self) -> dict[str, Any]:
+        # affinity shows whether the stock NIXL worker pinned the engine thread.
+        return {
+            "init_s": self.init_s,
+            "pid": os.getpid(),
+            "affinity": sorted(os.sched_getaffinity(0)),
+        }
+
+    def cmd_generate(
+        self,
+        prompts: list[str],
+        sampling: dict[str, Any],
+        kv_transfer_params: list[dict[str, Any] | None] | None = None,
+    ) -> list[dict[str, Any]]:
+        """Greedy-by-default generate; one kv_transfer_params per prompt."""
+        from vllm import SamplingParams
+
+        params = []
+        for i in range(len(prompts)):
+            kw = {"temperature": 0.0, "ignore_eos": True, **sampling}
+            kvp = kv_transfer_params[i] if kv_transfer_params else None
+            if kvp is not None:
+                kw["extra_args"] = {"kv_transfer_params": kvp}
+            params.append(SamplingParams(**kw))
+        t0 = time.perf_counter()
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        return [
+            {
+                "token_ids": list(o.outputs[0].token_ids),
+                "prompt_token_ids": list(o.prompt_token_ids or []),
+                "kv_transfer_params": o.kv_transfer_params,
+                "finish_reason": o.outputs[0].finish_reason,
+                "generate_s": dt,
+            }
+            for o in outs
+        ]
+
+    def cmd_state(self) -> dict[str, Any]:
+        s = self.scheduler
+        running, waiting = s.get_request_counts()
+        return {
+            "requests": len(s.requests),
+            "running": running,
+            "waiting": waiting,
+            "free_blocks": s.kv_cache_manager.block_pool.get_num_free_blocks(),
+        }
+
+    def cmd_metrics(self, names: list[str]) -> dict[str, float]:
+        want = set(names)
+        out = dict.fromkeys(names, 0.0)
+        for m in self.llm.get_metrics():
+            if m.name in want:
+                out[m.name] += float(getattr(m, "value", 0) or 0)
+        return out
+
+    def cmd_wait_idle(self, timeout_s: float) -> dict[str, Any]:
+        """Step until the scheduler holds no request; report how long it took."""
+        t0 = time.perf_counter()
+        while self.scheduler.has_requests() and time.perf_counter() - t0 < timeout_s:
+            self.llm.llm_engine.step()
+            time.sleep(0.002)
+        return {"idle": not self.scheduler.has_requests(), "waited_s": time.perf_counter() - t0}
+
+    def cmd_peak_rss_mib(self) -> float:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+    def pump(self) -> None:
+        """Between commands: step like the server loop would."""
+        if self.scheduler.has_requests():
+            self.llm.llm_engine.step()
+
+
+def _child_main(conn: Any, spec: EngineSpec) -> None:
+    _set_env(spec)
+    try:
+        server = _Server(spec)
+        conn.send(("ok", server.cmd_info()))
+    except BaseException as e:
+        conn.send(("err", f"{e!r}\n{traceback.format_exc()}"))
+        return
+    while True:
+        if not conn.poll(0.005):
+            try:
+                server.pump()
+            except BaseException as e:  # surface at the next command
+                conn.recv()
+                conn.send(("err", f"pump: {e!r}\n{traceback.format_exc()}"))
+                return
+            continue
+        name, kwargs = conn.recv()
+        if name == "stop":
+            conn.send(("ok", None))
+            return
+        try:
+            conn.send(("ok", getattr(server, f"cmd_{name}")(**kwargs)))
+        except BaseException as e:
+            conn.send(("err", f"{name}: {e!r}\n{traceback.format_exc()}"))
+
+
+class EngineProc:
+    """Parent-side handle: start, call commands, stop or kill."""
+
+    def __init__(self, spec: EngineSpec, *, name: str) -> None:
+        ctx = mp.get_context("spawn")
+        self.name = name
+        self.spec = spec
+        self._conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_child_main, args=(child, spec), name=name, daemon=True)
+        self.proc.start()
+        self.info: dict[str, Any] | None = None
+
+    def wait_ready(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+        self.info = self._reply(timeout_s, "start")
+        return self.info
+
+    def call(self, name: str, /, *, rpc_timeout_s: float = DEFAULT_TIMEOUT_S, **kwargs: Any) -> Any:
+        """Run command ``name`` in the child with ``kwargs``; return its value."""
+        self._conn.send((name, kwargs))
+        return self._reply(rpc_timeout_s, name)
+
+    def _reply(self, timeout_s: float, what: str) -> Any:
+        if not self._conn.poll(timeout_s):
+            raise TimeoutError(f"{self.name}: no answer to {what} in {timeout_s} s")
+        status, value = self._conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"{self.name}: {value}")
+        return value
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.proc.is_alive():
+            with contextlib.suppress(TimeoutError, RuntimeError, OSError, EOFError):
+                self.call("stop", rpc_timeout_s=timeout_s)
+            self.proc.join(timeout_s)
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL, as a crashed engine would look to its peer."""
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join()
