@@ -1,0 +1,5 @@
+"""``python -m kvproto_tools.bench``."""
+
+from kvproto_tools.bench.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,60 @@
+"""``kvproto bench``: argument parsing, output (table, JSON, PNG) and the exit status."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich.console import Console
+
+from kvproto_tools.bench import machine, scaling, suite, table
+from kvproto_tools.bench.figures import write_json
+from kvproto_tools.bench.plan import FULL, QUICK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvproto bench`` options."""
+    parser = argparse.ArgumentParser(
+        prog="kvproto bench",
+        description=(
+            "Measure kvproto beside the restated vLLM lease v4 path (and beside raw "
+            "transports) in one process; print figures, anchors and ratios."
+        ),
+    )
+    parser.add_argument("--json", type=Path, metavar="FILE", help="write the figures as JSON")
+    parser.add_argument("--plot", type=Path, metavar="FILE.png", help="write the scaling plot")
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny sizes, a few seconds (smoke test)"
+    )
+    parser.add_argument(
+        "--no-transports",
+        action="store_true",
+        help="skip the NIXL and UCX overhead figures (loopback is always measured)",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the suite; 0 on success (a missed target is reported, not an error)."""
+    args = build_parser().parse_args(argv)
+    plan = QUICK if args.quick else FULL
+    width = None if sys.stdout.isatty() else 180
+    console = Console(width=width, highlight=False)
+    start = time.monotonic()
+
+    def say(line: str) -> None:
+        console.print(f"[dim]{line}[/]")
+
+    figures = suite.run(plan, say, transports=not args.no_transports)
+    table.print_report(console, figures)
+    info = machine.describe(quick=plan.quick, elapsed_s=time.monotonic() - start)
+    if args.json is not None:
+        write_json(args.json, info, figures)
+        say(f"wrote {args.json}")
+    if args.plot is not None:
+        scaling.plot(figures, args.plot)
+        say(f"wrote {args.plot}")
+    return 0

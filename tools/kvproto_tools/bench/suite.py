@@ -1,0 +1,112 @@
+"""Runs every section of the benchmark in order, within the run's time budget."""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+
+from kvproto_tools.bench import (
+    anchor,
+    holder_bench,
+    memory_bench,
+    reader_bench,
+    scaling,
+    transport_bench,
+)
+from kvproto_tools.bench.figures import Figure
+from kvproto_tools.bench.fixtures import build_holder, build_holder_direct
+from kvproto_tools.bench.plan import Plan
+from kvproto_tools.bench.timing import Budget
+
+Say = Callable[[str], None]
+
+_SAFETY = 1.6
+"""Projected cost of an optional size = cost of the largest measured one x growth x this."""
+
+
+def _holder(n: int, plan: Plan, say: Say, *, direct: bool = False) -> tuple[list[Figure], float]:
+    start = time.monotonic()
+    fx = build_holder_direct(n) if direct else build_holder(n)
+    built = time.monotonic() - start
+    vllm = anchor.prefill_pair(fx.request_ids, now=fx.now)
+    figures = holder_bench.measure(fx, vllm, plan, claim=not direct)
+    del fx, vllm
+    gc.collect()
+    elapsed = time.monotonic() - start
+    say(f"holder: {n:>9,} leases  built in {built:5.1f} s, measured in {elapsed - built:5.1f} s")
+    return figures, elapsed
+
+
+HOLDER_NAMES = (
+    "holder.idle_step",
+    "holder.idle_step.vs_bare_scan",
+    "holder.idle_step.vs_head_stop",
+    "holder.heartbeat_bytes_per_lease",
+    "holder.heartbeat_wire_bytes_per_lease",
+    "holder.heartbeat_apply",
+    "holder.heartbeat_apply.vs_bare_parse",
+    "holder.claim_ticks",
+    "holder.claim_bytes_per_lease",
+    "holder.claim_ack_bytes_per_lease",
+    "holder.claim_apply_per_lease",
+)
+READER_NAMES = (
+    "reader.track",
+    "reader.idle_step",
+    "reader.heartbeat_tick",
+    "reader.heartbeat_bytes_per_request",
+)
+OTHER_NAMES = (
+    "memory.per_lease",
+    "memory.gc_full_collect",
+    "transport.loopback.heartbeat_rtt",
+    "transport.loopback.read64_confirmed",
+    "scaling.idle_step.exponent",
+    "scaling.heartbeat_apply.exponent",
+)
+
+
+def expected_names(plan: Plan) -> set[str]:
+    """Every figure name a run of ``plan`` produces (NIXL/UCX ones excepted: optional)."""
+    names = set(HOLDER_NAMES) | set(OTHER_NAMES)
+    names |= {f"{base}.e{e}" for base in READER_NAMES for e in plan.reader_engines}
+    return names
+
+
+def run(plan: Plan, say: Say, *, transports: bool = True) -> list[Figure]:
+    """All figures of ``plan``; optional sizes that would overrun the budget are skipped."""
+    budget = Budget(plan.budget_s)
+    figures: list[Figure] = []
+    cost: dict[int, float] = {}
+    for n in plan.holder_sizes:
+        got, cost[n] = _holder(n, plan, say)
+        figures += got
+    for n in plan.reader_sizes:
+        for engines in plan.reader_engines:
+            start = time.monotonic()
+            figures += reader_bench.measure(n, engines, plan)
+            say(
+                f"reader: {n:>9,} requests over {engines:>2} engines "
+                f"in {time.monotonic() - start:5.1f} s"
+            )
+    start = time.monotonic()
+    figures += memory_bench.measure(plan.memory_size)
+    say(f"memory: {plan.memory_size:>9,} leases in {time.monotonic() - start:5.1f} s")
+    start = time.monotonic()
+    figures += transport_bench.measure(plan, say, external=transports)
+    say(f"transport: in {time.monotonic() - start:5.1f} s")
+    for n in plan.scaling_extra:
+        largest = max(cost)
+        projected = cost[largest] * n / largest * _SAFETY
+        if projected > budget.left():
+            say(
+                f"scaling: {n:,} leases skipped (projected {projected:.0f} s, "
+                f"{budget.left():.0f} s left of the {plan.budget_s:.0f} s budget)"
+            )
+            continue
+        got, cost[n] = _holder(n, plan, say, direct=True)
+        figures += got
+    figures += scaling.growth_figures(figures)
+    say(f"total: {budget.elapsed():.1f} s")
+    return figures
