@@ -115,8 +115,9 @@ class WallClockLoopback(RealTimeGroup):
 
 
 def test_the_kit_drives_a_wall_clock_transport_by_waiting() -> None:
+    # Generous slack: on a loaded CI machine a 1 ms sleep can overshoot a lot.
     factory = TransportFactory(name="loopback-wall", create_group=WallClockLoopback,
-                               timeout_s=5.0, settle_s=0.02, detection_slack_s=0.05,
+                               timeout_s=5.0, settle_s=0.02, detection_slack_s=0.5,
                                resource_cycles=2000)
     t0 = time.monotonic()
     report = run_conformance(factory)
@@ -124,6 +125,6 @@ def test_the_kit_drives_a_wall_clock_transport_by_waiting() -> None:
         (c.id, c.detail) for c in report.cases if c.verdict is Verdict.FAIL
     ]
     detected = report.case("T4.1").measured
-    assert detected is not None and 0.05 <= detected < 0.1 + 0.05  # real seconds this time
+    assert detected is not None and 0.05 <= detected < 0.55  # real seconds this time
     assert time.monotonic() - t0 < 60
 

@@ -161,7 +161,8 @@ def read_from_dead(ctx: Ctx) -> Outcome:
     Level.MUST,
     requirement="A reader reading from two holder ranks (TP 1 <- TP 2) when rank 1 is killed: "
     "rank 0's read completes with its data and its notify arrives; rank 1's read fails "
-    "(ReadFailed or a TransportError); PeerLost names rank 1 only.",
+    "(ReadFailed or a TransportError); PeerLost names rank 1 only (the reader keeps sending to "
+    "both, as a binding's heartbeats do).",
     protects="With heterogeneous TP one request spans several holder ranks; the reader must "
     "recompute exactly what the dead rank held and keep the live rank's leases, not drop all.",
 )
@@ -188,8 +189,15 @@ def partial_tp_failure(ctx: Ctx) -> Outcome:
             results[rank] = f"refused ({type(exc).__name__})"
     detects = net.caps.detects_peer_failure
     bound = net.caps.failure_detection_bound_s or ctx.factory.timeout_s
+    last_probe = [net.group.now()]
 
     def finished() -> bool:
+        # Like a binding's heartbeats: some transports notice a death only when sending.
+        if net.group.now() - last_probe[0] >= bound / 20:
+            last_probe[0] = net.group.now()
+            for rank in (0, 1):
+                with contextlib.suppress(Exception):
+                    net.ep(2).send(net.ids[(2, rank)], b"probe")
         reads = all(net.read_events(2, i) for i in ids.values())
         notify = b"done-rank0" in net.payloads(0)
         return reads and notify and (not detects or net.ids[(2, 1)] in net.lost(2))
