@@ -94,12 +94,14 @@ class _Session:
         "digest",
         "engine",
         "heap_due",
+        "hello_nonce",
         "incarnation",
         "key",
         "leases",
         "peer",
         "rank",
         "serial",
+        "server_nonce",
         "tp_size",
         "window",
     )
@@ -112,6 +114,8 @@ class _Session:
         self.tp_size = hello.tp_size
         self.incarnation = hello.incarnation
         self.key = key
+        self.hello_nonce = hello.nonce
+        self.server_nonce = b""
         self.deadline = float("-inf")
         self.heap_due: float | None = None
         self.window = ReplayWindow()
@@ -231,6 +235,11 @@ class Holder:
             msg = self._decode(data, session)
         except RemoteProtocolError:
             self.stats.malformed += 1
+            if session is not None and self._other_key(session, data):
+                # Signed, but not with this session's key: the reader holds another
+                # one (two of its Hellos crossed). Without an answer it would
+                # heartbeat into the void until its leases lapse; ask for a Hello.
+                self._send_plain(peer, wire.Reject(reason=RejectReason.NO_SESSION))
             return
         if isinstance(msg, wire.Hello):
             self._on_hello(now, peer, msg)
@@ -334,6 +343,16 @@ class Holder:
             raise RemoteProtocolError("only Hello may be signed with the shared secret")
         return msg
 
+    @staticmethod
+    def _other_key(session: _Session, data: bytes) -> bool:
+        """``data`` carries a MAC that this session's key does not produce."""
+        if session.key is None or len(data) < wire.HEADER_LEN + wire.MAC_LEN:
+            return False
+        if data[3] != wire.FLAG_MAC:
+            return False
+        body_end = len(data) - wire.MAC_LEN
+        return not hmac.compare_digest(wire.mac(session.key, data[:body_end]), data[body_end:])
+
     def _on_hello(self, now: float, peer: PeerId, hello: wire.Hello) -> None:
         old = self._sessions.get(peer)
         if old is not None and old.incarnation != hello.incarnation:
@@ -352,7 +371,13 @@ class Holder:
                 self.stats.limit_refusals += 1
                 self._send_plain(peer, wire.Reject(reason=RejectReason.TOO_MANY))
                 return
-        server_nonce = self._entropy(16)
+        if old is not None and old.hello_nonce == hello.nonce and old.server_nonce:
+            # The same Hello again (the transport duplicated it): answer it the same
+            # way. A fresh server nonce would re-key the session behind the reader's
+            # back, and every later frame of the reader would fail its MAC.
+            server_nonce = old.server_nonce
+        else:
+            server_nonce = self._entropy(16)
         key = None
         if self.config.auth_secret is not None:
             key = wire.mac(self.config.auth_secret, b"session" + hello.nonce + server_nonce)
@@ -362,7 +387,10 @@ class Holder:
             self._sessions[peer] = session
             self._by_serial[session.serial] = session
         else:
-            old.key = key
+            session = old
+            session.key = key
+            session.hello_nonce = hello.nonce
+        session.server_nonce = server_nonce
         welcome = wire.Welcome(
             engine=self.engine,
             rank=self.rank,
