@@ -182,7 +182,7 @@ def test_delta_round_trip_property(ids: set[int]) -> None:
     assert wire.delta_decode(wire.delta_encode(ids)) == sorted(ids)
 
 
-@settings(max_examples=2000, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(st.binary(max_size=200))
 @example(b"\x8bK\x01\x00")
 @example(b"\x8bK\x01\x01")
@@ -198,7 +198,7 @@ def test_decode_is_total_on_random_bytes(data: bytes) -> None:
         assert wire.decode(wire.encode(msg)) == msg  # what is accepted can be re-framed
 
 
-@settings(max_examples=2000, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(
     st.sampled_from(SAMPLES),
     st.booleans(),

@@ -1,0 +1,206 @@
+"""Heterogeneous TP (several holder or reader ranks) and turn-2 leases across skewed clocks."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvproto import wire
+from kvproto.events import ReadDeclined, ReadGo
+from kvproto.states import LeaseState
+from kvproto.tpmath import BlockSlice
+
+from .net import LinkFaults, Net
+
+
+def test_holder_tp1_reader_tp2_needs_two_distinct_ranks() -> None:
+    net = Net()
+    net.add_holder("P0")
+    net.add_reader("D0", rank=0, tp_size=2)
+    net.add_reader("D1", rank=1, tp_size=2)
+    ticket = net.grant("P0", "p-r")
+    net.track("D0", "r", ticket)
+    net.track("D1", "r", ticket)
+    net.run_until(3.0)
+    go0 = net.start_read("D0", "r")
+    assert isinstance(go0, ReadGo)
+    # Each reader rank reads its half of every holder block.
+    assert [(o.holder_rank, o.local_slice, o.remote_slice) for o in go0.orders] == [
+        (0, BlockSlice.FULL, BlockSlice(index=0, parts=2))
+    ]
+    net.run_until(4.0)
+    h = net.holder("P0")
+    assert h.lease_state(ticket.lease) is LeaseState.HELD  # one of two consumers
+    assert [rid for _, r, rid in net.confirmed if r == "D0"] == ["r"]  # its half is valid
+    go1 = net.start_read("D1", "r")
+    assert isinstance(go1, ReadGo)
+    assert go1.orders[0].remote_slice == BlockSlice(index=1, parts=2)
+    net.run_until(5.0)
+    assert net.freed_leases() == [(4.0, ticket.lease, "DONE")]
+    assert sorted(r for _, r, _ in net.confirmed) == ["D0", "D1"]
+
+
+def test_one_reader_rank_crashing_after_its_peer_read_expires_the_lease() -> None:
+    net = Net()
+    net.add_holder("P0")
+    net.add_reader("D0", rank=0, tp_size=2)
+    net.add_reader("D1", rank=1, tp_size=2)
+    ticket = net.grant("P0", "p-r")
+    net.track("D0", "r", ticket)
+    net.track("D1", "r", ticket)
+    net.run_until(12.0)
+    net.start_read("D0", "r")
+    net.run_until(13.0)
+    net.crash("D1")  # last heartbeat from D1 arrived at 10
+    net.run_until(100.0)
+    assert net.freed_leases() == [(30.0, ticket.lease, "EXPIRED")]
+
+
+def holder_tp2(net: Net) -> None:
+    net.add_holder("P0", rank=0, tp_size=2)
+    net.add_holder("P1", rank=1, tp_size=2)
+
+
+def test_holder_tp2_reader_tp1_reads_from_both_holder_ranks() -> None:
+    net = Net()
+    holder_tp2(net)
+    net.add_reader("D0")
+    ticket = net.grant("P0", "p-r")  # minted once (vLLM: the scheduler) ...
+    net.adopt("P1", ticket)  # ... adopted by every holder rank
+    net.track("D0", "r", ticket)
+    assert [(c.engine, c.rank) for _, _, c in net.connects] == [("P", 0), ("P", 1)]
+    net.run_until(11.0)
+    assert net.arrivals("D0", "P0", wire.Heartbeat) == [0.0, 5.0, 10.0]
+    assert net.arrivals("D0", "P1", wire.Heartbeat) == [0.0, 5.0, 10.0]
+    go = net.start_read("D0", "r", duration=0.5)
+    assert isinstance(go, ReadGo)
+    assert sorted((o.holder_rank, o.peer, o.local_slice, o.remote_slice) for o in go.orders) == [
+        (0, "P0", BlockSlice(index=0, parts=2), BlockSlice.FULL),
+        (1, "P1", BlockSlice(index=1, parts=2), BlockSlice.FULL),
+    ]
+    net.run_until(12.0)
+    assert sorted(net.freed_leases(h) for h in ("P0", "P1")) == [
+        [(11.5, ticket.lease, "DONE")],
+        [(11.5, ticket.lease, "DONE")],
+    ]
+    assert [rid for _, _, rid in net.confirmed] == ["r"]
+    net.check_no_silent_overlap()
+
+
+def test_confirmation_needs_every_holder_rank() -> None:
+    """P1 never hears the heartbeats: its copy lapses; the read is fenced although P0 said HELD."""
+    net = Net()
+    holder_tp2(net)
+    net.add_reader("D0")
+    ticket = net.grant("P0", "p-r")
+    net.adopt("P1", ticket)
+    net.track("D0", "r", ticket)
+    net.run_until(1.0)
+    net.faults[("D0", "P1")] = LinkFaults(drop=1.0)
+    net.run_until(24.0)
+    go = net.start_read("D0", "r", duration=10.0)  # ends at 34; P1's copy ended at 30
+    assert isinstance(go, ReadGo)
+    net.run_until(60.0)
+    assert (30.0, ticket.lease, "EXPIRED") in net.freed_leases("P1")
+    assert net.confirmed == []
+    assert net.failures("D0")[0][1:] == ("r", "FENCED_LATE")
+    net.check_no_silent_overlap()
+
+
+def test_holder_tp2_reader_tp4_counts_two_consumers_per_holder_rank() -> None:
+    net = Net()
+    holder_tp2(net)
+    for rank in range(4):
+        net.add_reader(f"D{rank}", rank=rank, tp_size=4)
+    ticket = net.grant("P0", "p-r")
+    net.adopt("P1", ticket)
+    for rank in range(4):
+        net.track(f"D{rank}", "r", ticket)
+    net.run_until(2.0)
+    for rank in (0, 2):  # one reader of each holder rank
+        net.start_read(f"D{rank}", "r")
+    net.run_until(3.0)
+    assert net.freed == []
+    net.start_read("D1", "r")
+    net.run_until(4.0)
+    assert [h for _, h, _ in net.freed] == ["P0"]
+    net.start_read("D3", "r")
+    net.run_until(5.0)
+    assert sorted(h for _, h, _ in net.freed) == ["P0", "P1"]
+    assert len(net.confirmed) == 4
+
+
+@pytest.mark.parametrize("holder_offset", [3600.0, -3600.0, 0.0])
+def test_turn2_lease_across_skewed_clocks(holder_offset: float) -> None:
+    """Turn 2: D holds 480 s blocks, P reads them after the client's next turn. The
+    holder's clock is an hour off; the reader's bound must stay at or below the truth."""
+    net = Net()
+    net.add_holder("H", offset=holder_offset)
+    net.add_reader("R")
+    net.faults[("R", "H")] = LinkFaults(latency=0.03)
+    net.faults[("H", "R")] = LinkFaults(latency=0.01)
+    ticket = net.grant("H", "turn2", ttl=480.0)
+    assert ticket.deadline == holder_offset + 480.0
+    net.run_until(100.0)  # the ticket waits at the client
+    net.track("R", "t2", ticket)
+    reader = net.reader("R")
+    for t in [100.04, 100.5, 150.0, 300.0, 470.0]:
+        net.run_until(t)
+        bound = reader.deadline_bound(net.local("R"), "t2")
+        true_deadline = net.holder("H").deadline(ticket.lease) - holder_offset
+        assert bound <= true_deadline
+        assert bound >= true_deadline - 1.0  # and not uselessly pessimistic
+    assert isinstance(net.start_read("R", "t2", duration=0.2), ReadGo)
+    net.run_until(480.0)
+    assert [rid for _, _, rid in net.confirmed] == ["t2"]
+
+
+def test_turn2_read_declined_near_the_deadline_with_skew() -> None:
+    net = Net()
+    net.add_holder("H", offset=3600.0)
+    net.add_reader("R")
+    net.default_faults = LinkFaults(latency=0.02)
+    ticket = net.grant("H", "turn2", ttl=480.0)
+    net.run_until(10.0)
+    net.track("R", "t2", ticket)
+    net.run_until(440.0)
+    net.pause("R", 476.0)  # stalled: no heartbeat pushes the deadline past 480
+    net.run_until(476.0)
+    result = net.start_read("R", "t2")
+    assert result == ReadDeclined(reason=result.reason) and isinstance(result, ReadDeclined)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    holder_offset=st.floats(-1e5, 1e5),
+    reader_offset=st.floats(-1e5, 1e5),
+    up=st.floats(0.0, 0.5),
+    down=st.floats(0.0, 0.5),
+    wait=st.floats(0.0, 300.0),
+    probes=st.lists(st.floats(0.0, 600.0), min_size=1, max_size=8),
+)
+def test_reader_bound_never_exceeds_true_deadline(  # noqa: PLR0917
+    holder_offset: float,
+    reader_offset: float,
+    up: float,
+    down: float,
+    wait: float,
+    probes: list[float],
+) -> None:
+    net = Net()
+    net.add_holder("H", offset=holder_offset)
+    net.add_reader("R", offset=reader_offset)
+    net.faults[("R", "H")] = LinkFaults(latency=up)
+    net.faults[("H", "R")] = LinkFaults(latency=down)
+    ticket = net.grant("H", "t", ttl=480.0)
+    net.run_until(wait)
+    net.track("R", "t", ticket)
+    for t in sorted(wait + p for p in probes):
+        net.run_until(t)
+        h = net.holder("H")
+        if h.lease_state(ticket.lease) is not LeaseState.HELD:
+            break
+        bound = net.reader("R").deadline_bound(net.local("R"), "t") - reader_offset
+        true_deadline = h.deadline(ticket.lease) - holder_offset
+        assert bound <= true_deadline + 1e-6 * (1 + abs(holder_offset) + abs(reader_offset))
