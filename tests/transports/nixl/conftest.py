@@ -9,6 +9,8 @@ import pytest
 from kvproto_transports.nixl import nixl_available
 
 AVAILABLE, WHY = nixl_available()
+LEASE_NODE = "kvproto_transports.nixl.lease_node:LeaseNode"
+"""Node class of the child processes: NixlTransport commands plus the lease binding."""
 
 
 @pytest.fixture(scope="session")
@@ -18,7 +20,10 @@ def nodes() -> Iterator[tuple[object, object]]:
         pytest.skip(f"NIXL: {WHY}")
     from kvproto_transports.nixl.node import NodeProcess
 
-    holder, reader = NodeProcess("holder"), NodeProcess("reader")
+    holder, reader = (
+        NodeProcess("holder", node_cls=LEASE_NODE),
+        NodeProcess("reader", node_cls=LEASE_NODE),
+    )
     try:
         holder.wait_started()
         reader.wait_started()

@@ -49,7 +49,7 @@ class _Heartbeat:
     next_at: float
 
 
-class _Node:
+class Node:
     """Lives in the child; one method per command."""
 
     def __init__(self) -> None:
@@ -59,6 +59,8 @@ class _Node:
         self.heartbeats: list[_Heartbeat] = []
         self.server: Any = None
         self.server_ranks: dict[int, str] = {}
+        self.bound: set[str] = set()
+        """Endpoints polled by someone else (a lease binding), not by :meth:`_pump`."""
 
     # -- endpoints ----------------------------------------------------------
 
@@ -277,18 +279,23 @@ class _Node:
                 with contextlib.suppress(PeerUnreachable):  # PeerLost follows in poll
                     self.transports[hb.key].send(hb.peer, hb.payload)
         for key, t in self.transports.items():
-            self.events[key].extend(t.poll())
+            if key not in self.bound:
+                self.events[key].extend(t.poll())
 
 
-def serve(conn: Connection, preload: tuple[str, ...] = ()) -> None:
+def serve(conn: Connection, preload: tuple[str, ...] = (), node_cls: str = "") -> None:
     """Child main loop: commands from ``conn``, background duties in between.
 
     ``preload`` names modules to import before reporting ready (torch takes
     seconds; children started together then import it in parallel).
+    ``node_cls`` (``module:Class``) replaces the command set with a subclass.
     """
     for module in preload:
         importlib.import_module(module)
-    node = _Node()
+    node = Node()
+    if node_cls:
+        module, _, cls = node_cls.partition(":")
+        node = getattr(importlib.import_module(module), cls)()
     conn.send((True, os.getpid()))
     while True:
         if not conn.poll(_TICK_S):
@@ -317,10 +324,14 @@ def serve(conn: Connection, preload: tuple[str, ...] = ()) -> None:
 class NodeProcess:
     """Parent-side handle of a child process running :func:`serve`."""
 
-    def __init__(self, name: str = "node", *, preload: tuple[str, ...] = ("torch",)) -> None:
+    def __init__(
+        self, name: str = "node", *, preload: tuple[str, ...] = ("torch",), node_cls: str = ""
+    ) -> None:
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=serve, args=(child, preload), name=name, daemon=True)
+        self.process = ctx.Process(
+            target=serve, args=(child, preload, node_cls), name=name, daemon=True
+        )
         self.process.start()
         child.close()
         self._pending = False
