@@ -81,6 +81,10 @@ def test_transport_results_become_figures() -> None:
     got = figures_from_mapping(
         "transport.nixl",
         {
+            "config": {"iterations": 10, "nixl_module": "nixl_cu12._api"},
+            "notif_rtt_raw": {"median_us": 80.0, "p10_us": 70.0},
+            "notif_rtt_transport": {"median_us": 100.0, "p10_us": 90.0},
+            "notif_rtt_overhead_ratio": 1.25,
             "notif_rtt_us": 12.5,
             "read64": {"value": 3.0, "unit": "ms", "anchor": "raw nixl", "anchor_value": 2.5},
             "ready": Figure(name="transport.nixl.x", size=None, value=1.0, unit="us"),
@@ -88,9 +92,11 @@ def test_transport_results_become_figures() -> None:
         },
     )
     assert [f.name for f in got] == [
+        "transport.nixl.notif_rtt",
         "transport.nixl.notif_rtt_us",
         "transport.nixl.read64",
         "transport.nixl.x",
     ]
-    assert got[0].unit == "us"
-    assert got[1].ratio == pytest.approx(2.5 / 3.0)
+    assert got[0].value == 100.0 and got[0].anchor_value == 80.0 and got[0].unit == "us"
+    assert got[1].unit == "us"
+    assert got[2].ratio == pytest.approx(2.5 / 3.0)

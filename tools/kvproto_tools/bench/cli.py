@@ -39,7 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the suite; 0 on success (a missed target is reported, not an error)."""
-    args = build_parser().parse_args(argv)
+    rest = list(sys.argv[1:] if argv is None else argv)
+    if rest[:1] == ["--"]:  # tolerate `kvproto bench -- --quick` from a REMAINDER-style wrapper
+        rest = rest[1:]
+    args = build_parser().parse_args(rest)
     plan = QUICK if args.quick else FULL
     width = None if sys.stdout.isatty() else 180
     console = Console(width=width, highlight=False)

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+LARGE = 100_000
+"""Sizes above this get fewer repetitions (:meth:`Plan.repeats_for`)."""
+
 FULL_BUDGET_S = 270.0
 """The full run must end within 5 minutes; optional sizes are skipped past this."""
 
@@ -38,8 +41,14 @@ class Plan:
     """Anchor work per repetition, in lease-operations (batch = this // size)."""
     loopback_rounds: int
     """Round trips per repetition for the loopback transport figures."""
+    external_iterations: int
+    """``iterations`` passed to the NIXL/UCX ``measure_overhead()`` (where it takes one)."""
     budget_s: float
     """Wall-clock budget of the whole run."""
+
+    def repeats_for(self, n: int) -> int:
+        """Fewer repetitions past 100k, where one anchor call takes a second or more."""
+        return self.repeats if n <= LARGE else max(3, self.repeats // 2)
 
     def anchor_batch(self, n: int) -> int:
         """Calls per repetition for an anchor operation that is O(n)."""
@@ -58,6 +67,7 @@ FULL = Plan(
     hb_batch=200,
     anchor_calls_per_rep=40_000,
     loopback_rounds=200,
+    external_iterations=200,
     budget_s=FULL_BUDGET_S,
 )
 
@@ -73,5 +83,6 @@ QUICK = Plan(
     hb_batch=20,
     anchor_calls_per_rep=2_000,
     loopback_rounds=20,
+    external_iterations=10,
     budget_s=60.0,
 )

@@ -14,6 +14,10 @@ from pathlib import Path
 from kvproto_tools.bench.figures import Figure
 
 CURVES = ("holder.idle_step", "holder.heartbeat_apply")
+FLOORS = {
+    "holder.idle_step": "holder.idle_step.vs_bare_scan",
+    "holder.heartbeat_apply": "holder.heartbeat_apply.vs_bare_parse",
+}
 
 
 def points(figures: list[Figure], name: str) -> list[tuple[int, float, float]]:
@@ -80,6 +84,15 @@ def plot(figures: list[Figure], path: Path) -> None:
         ours = [p[1] for p in pts]
         theirs = [p[2] for p in pts]
         ax.loglog(xs, theirs, "o-", color="tab:red", label="vLLM lease v4 (restated)")
+        floor = points(figures, FLOORS[name])
+        if floor:
+            ax.loglog(
+                [p[0] for p in floor],
+                [p[2] for p in floor],
+                "^--",
+                color="tab:gray",
+                label="bare dict pass / parse (floor)",
+            )
         ax.loglog(xs, ours, "s-", color="tab:blue", label="kvproto")
         # Guides through the first point of each side: flat = O(1), unit slope = O(n).
         ax.loglog(xs, [ours[0]] * len(xs), ":", color="tab:blue", alpha=0.5, label="O(1) guide")

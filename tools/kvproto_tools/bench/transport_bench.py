@@ -9,7 +9,9 @@ they are included when importable, else skipped with the reason printed.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -166,15 +168,51 @@ def _unit_of(key: str) -> str:
     return ""
 
 
+def _median(val: object) -> float | None:
+    if isinstance(val, Mapping) and isinstance(val.get("median_us"), (int, float)):
+        return float(val["median_us"])
+    return None
+
+
 def figures_from_mapping(prefix: str, data: Mapping[str, Any]) -> list[Figure]:
     """Turn a transport's ``measure_overhead()`` result into figures.
 
-    Accepted values: a :class:`Figure`; a mapping with at least ``value``
-    (and optionally ``name``, ``size``, ``unit``, ``anchor``, ``anchor_value``);
-    or a bare number (unit guessed from a ``_us``/``_ms``/``_ns``/``_bytes`` suffix).
+    Understood, in this order:
+
+    * pairs ``<x>_transport`` / ``<x>_raw`` of summaries with ``median_us``
+      (the NIXL and UCX benches): one figure ``<prefix>.<x>``, the transport's
+      median beside the raw library's (their ``*_ratio`` keys are derived, skipped);
+    * a :class:`Figure`;
+    * a mapping with ``value`` (and optionally ``name``, ``size``, ``unit``,
+      ``anchor``, ``anchor_value``);
+    * a bare number (unit from a ``_us``/``_ms``/``_ns``/``_bytes`` suffix).
+
+    Anything else (``config``, strings) is ignored.
     """
     out: list[Figure] = []
+    used: set[str] = set()
     for key, val in data.items():
+        if not key.endswith("_transport"):
+            continue
+        base = key[: -len("_transport")]
+        ours, raw = _median(val), _median(data.get(f"{base}_raw"))
+        if ours is None or raw is None:
+            continue
+        used |= {key, f"{base}_raw", f"{base}_overhead_ratio", f"{base}_ratio"}
+        label = prefix.rsplit(".", 1)[-1]
+        out.append(
+            Figure(
+                name=f"{prefix}.{base}",
+                size=None,
+                value=ours,
+                unit="us",
+                anchor=f"raw {label} calls",
+                anchor_value=raw,
+            )
+        )
+    for key, val in data.items():
+        if key in used or key.endswith("_ratio"):
+            continue
         if isinstance(val, Figure):
             out.append(val)
         elif isinstance(val, Mapping) and isinstance(val.get("value"), (int, float)):
@@ -196,15 +234,19 @@ def figures_from_mapping(prefix: str, data: Mapping[str, Any]) -> list[Figure]:
     return out
 
 
-def _external(name: str, module: str, say: Callable[[str], None]) -> list[Figure]:
+def _external(name: str, module: str, say: Callable[[str], None], iterations: int) -> list[Figure]:
     try:
         mod = importlib.import_module(module)
         measure = mod.measure_overhead
     except Exception as exc:  # ImportError, or the library itself failing to load
         say(f"transport.{name}: skipped ({module} not importable: {type(exc).__name__}: {exc})")
         return []
+    kwargs: dict[str, Any] = {}
+    with contextlib.suppress(TypeError, ValueError):
+        if "iterations" in inspect.signature(measure).parameters:
+            kwargs["iterations"] = iterations
     try:
-        result = measure()
+        result = measure(**kwargs)
     except Exception as exc:
         say(f"transport.{name}: skipped (measure_overhead() failed: {type(exc).__name__}: {exc})")
         return []
@@ -219,5 +261,5 @@ def measure(plan: Plan, say: Callable[[str], None], *, external: bool = True) ->
     figures = _loopback(plan)
     if external:
         for name, module in EXTERNAL.items():
-            figures += _external(name, module, say)
+            figures += _external(name, module, say, plan.external_iterations)
     return figures
