@@ -68,7 +68,7 @@ def _idle(fx: HolderFixture, vllm: anchor.VllmPrefill, plan: Plan) -> list[Figur
     kv, vf = paired_ns(
         ours, theirs, batch=plan.fast_batch, anchor_batch=batch, repeats=plan.repeats_for(fx.n)
     )
-    _, vh = paired_ns(ours, theirs_head, batch=plan.fast_batch, repeats=plan.repeats_for(fx.n))
+    kv_h, vh = paired_ns(ours, theirs_head, batch=plan.fast_batch, repeats=plan.fast_repeats)
     kv_b, vb = paired_ns(
         ours, bare, batch=plan.fast_batch, anchor_batch=batch, repeats=plan.repeats_for(fx.n)
     )
@@ -97,7 +97,7 @@ def _idle(fx: HolderFixture, vllm: anchor.VllmPrefill, plan: Plan) -> list[Figur
         Figure(
             name="holder.idle_step.vs_head_stop",
             size=fx.n,
-            value=kv / 1e3,
+            value=kv_h / 1e3,
             unit="us",
             anchor="vllm-v4 head-stop reaper (incorrect, #58222)",
             anchor_value=vh / 1e3,

@@ -35,6 +35,8 @@ class Plan:
     """Timed repetitions per figure (the median is reported)."""
     fast_batch: int
     """Calls per repetition for sub-microsecond-to-microsecond operations."""
+    fast_repeats: int
+    """Repetitions where both sides are fast (many cheap samples resist noise bursts)."""
     hb_batch: int
     """Calls per repetition for heartbeat applies and reader ticks."""
     anchor_calls_per_rep: int
@@ -63,7 +65,8 @@ FULL = Plan(
     reader_engines=(1, 8, 64),
     memory_size=100_000,
     repeats=7,
-    fast_batch=2_000,
+    fast_batch=1_000,
+    fast_repeats=21,
     hb_batch=200,
     anchor_calls_per_rep=40_000,
     loopback_rounds=200,
@@ -80,6 +83,7 @@ QUICK = Plan(
     memory_size=1_000,
     repeats=3,
     fast_batch=200,
+    fast_repeats=5,
     hb_batch=20,
     anchor_calls_per_rep=2_000,
     loopback_rounds=20,

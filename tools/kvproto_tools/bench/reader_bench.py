@@ -160,7 +160,7 @@ def measure(n: int, engines: int, plan: Plan) -> list[Figure]:
             vd.tick(vidle_at)
 
         kv_idle, vv_idle = paired_ns(
-            ours_idle, theirs_idle, batch=plan.fast_batch, repeats=plan.repeats
+            ours_idle, theirs_idle, batch=plan.fast_batch, repeats=plan.fast_repeats
         )
     if reader.drain():
         raise RuntimeError("the reader's idle step produced output")
