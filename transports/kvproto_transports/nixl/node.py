@@ -18,7 +18,7 @@ import multiprocessing
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -59,6 +59,8 @@ class Node:
         self.heartbeats: list[_Heartbeat] = []
         self.server: Any = None
         self.server_ranks: dict[int, str] = {}
+        self.lost_at: dict[tuple[str, PeerId], float] = {}
+        """When each endpoint's poll first reported PeerLost for a peer (monotonic)."""
         self.bound: set[str] = set()
         """Endpoints polled by someone else (a lease binding), not by :meth:`_pump`."""
 
@@ -191,7 +193,10 @@ class Node:
         sends: dict[int, int] = {}
         while len(found) < len(watch):
             if time.monotonic() - start > timeout_s:
-                raise TimeoutError(f"no PeerLost for {watch} within {timeout_s} s")
+                raise TimeoutError(
+                    f"no PeerLost for {watch} within {timeout_s} s "
+                    f"(found {sorted(found)}, sends {sends}, failed sends at {failed_at})"
+                )
             for i, (key, peer, send) in enumerate(watch):
                 if i in found or not send:
                     continue
@@ -201,18 +206,15 @@ class Node:
                     sends[i] = sends.get(i, 0) + 1
                 except PeerUnreachable:
                     failed_at.setdefault(i, before)
-            for key, t in self.transports.items():
-                for ev in t.poll():
-                    self.events[key].append(ev)
-                    if not isinstance(ev, PeerLost):
-                        continue
-                    for i, (wkey, peer, _) in enumerate(watch):
-                        if wkey == key and peer == ev.peer and i not in found:
-                            found[i] = {
-                                "lost_at": time.monotonic(),
-                                "failed_send_at": failed_at.get(i, -1.0),
-                                "sends": float(sends.get(i, 0)),
-                            }
+            self._pump()  # the idle loop may have seen a loss before this command began
+            for i, (key, peer, _) in enumerate(watch):
+                at = self.lost_at.get((key, peer))
+                if at is not None and i not in found:
+                    found[i] = {
+                        "lost_at": at,
+                        "failed_send_at": failed_at.get(i, -1.0),
+                        "sends": float(sends.get(i, 0)),
+                    }
             time.sleep(every_s)
         return [found[i] for i in range(len(watch))]
 
@@ -280,7 +282,14 @@ class Node:
                     self.transports[hb.key].send(hb.peer, hb.payload)
         for key, t in self.transports.items():
             if key not in self.bound:
-                self.events[key].extend(t.poll())
+                self._take(key, t.poll())
+
+    def _take(self, key: str, events: Sequence[TransportEvent]) -> None:
+        now = time.monotonic()
+        for ev in events:
+            if isinstance(ev, PeerLost):
+                self.lost_at.setdefault((key, ev.peer), now)
+        self.events[key].extend(events)
 
 
 def serve(conn: Connection, preload: tuple[str, ...] = (), node_cls: str = "") -> None:
