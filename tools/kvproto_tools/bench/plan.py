@@ -11,7 +11,7 @@ from dataclasses import dataclass
 LARGE = 100_000
 """Sizes above this get fewer repetitions (:meth:`Plan.repeats_for`)."""
 
-FULL_BUDGET_S = 270.0
+FULL_BUDGET_S = 250.0
 """The full run must end within 5 minutes; optional sizes are skipped past this."""
 
 
