@@ -1,0 +1,361 @@
+"""What engines do with requests: prefill and grant, route, track, read, use or recompute.
+
+Free functions over the :class:`~kvproto_tools.sim.engine.Simulator` so that
+the event loop (engine.py) stays small. Holder side: a prefill finishes, its
+blocks get real bytes and a lease, the request goes to a decoder. Reader
+side: the request is tracked, waits in the queue, reads at a step boundary,
+and is used (kvproto: only after the holder confirmed) or recomputed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvproto_tools.sim import checks
+from kvproto_tools.sim.memory import block_bytes, rank_heads
+from kvproto_tools.sim.model import Hold, Req, ReqState
+from kvproto_tools.sim.sides import ReadStart
+from kvproto_tools.sim.workload import Arrival, prompt_blocks
+
+if TYPE_CHECKING:
+    from kvproto.transport import ReadId
+    from kvproto_tools.sim.engine import EngineState, Simulator
+    from kvproto_tools.sim.transport import SimTransport
+
+
+def route(sim: Simulator, engines: list[EngineState], preferred: int) -> EngineState | None:
+    n = len(engines)
+    for i in range(n):
+        eng = engines[(preferred + i) % n]
+        if eng.alive:
+            return eng
+    return None
+
+
+def prefill_arrival(sim: Simulator, a: Arrival) -> None:
+    eng = route(sim, sim.prefill, a.prefill)
+    if eng is None:
+        sim.open_requests -= 1
+        sim.extra["lost"] += 1
+        return
+    eng.queue.append(a)
+    sim.request_wake(eng, sim.t)
+
+
+def prefill_work(sim: Simulator, eng: EngineState, now: float) -> None:
+    t = sim.t
+    if eng.current is not None and eng.busy_until is not None and t >= eng.busy_until:
+        done, blocks = eng.current
+        eng.current = None
+        eng.busy_until = None
+        prefill_done(sim, eng, now, done, blocks)
+    if eng.current is None and eng.queue:
+        a = eng.queue[0]
+        taken = eng.pool.allocate(prompt_blocks(a.prompt_tokens), a)
+        if taken is None:
+            return  # P is full: new work waits for blocks (vLLM #50789)
+        eng.queue.popleft()
+        eng.current = (a, taken)
+        eng.busy_until = t + sim.prefill_time(a.prompt_tokens)
+        sim.request_wake(eng, eng.busy_until)
+
+
+def new_hold(
+    sim: Simulator,
+    eng: EngineState,
+    *,
+    now: float,
+    key: str,
+    blocks: list[int],
+    content: int,
+    ttl: float,
+) -> Hold:
+    """Write the blocks' bytes on every rank and grant them to a future reader."""
+    hold = Hold(
+        key=key, engine=eng, incarnation=eng.incarnation, blocks=blocks, content=content,
+        granted_at=sim.t, granted_local=now, ttl=ttl, ranks_live=set(range(eng.tp)),
+    )
+    for b in blocks:
+        eng.pool.owner[b] = hold
+    for rank, tr in enumerate(eng.transports):
+        heads = rank_heads(rank, eng.tp)
+        for j, b in enumerate(blocks):
+            tr.real.write_block(0, b, block_bytes(content, j, heads))
+    hold.ticket = eng.side.grant(now, hold)
+    eng.holds[key] = hold
+    sim.open_holds += 1
+    held(sim, hold.nblocks)
+    return hold
+
+
+def prefill_done(
+    sim: Simulator, eng: EngineState, now: float, a: Arrival, blocks: list[int]
+) -> None:
+    """Prefill finished: grant the blocks and send the request to a decoder."""
+    hold = new_hold(
+        sim, eng, now=now, key=a.request_id, blocks=blocks, content=2 * a.index + 1,
+        ttl=sim.policy.turn1_ttl,
+    )
+    req = Req(key=hold.key, turn=1, arrival=a, hold=hold, tokens=a.prompt_tokens)
+    hold.req = req
+    sim.reqs[req.key] = req
+    reader = route(sim, sim.decode, a.decode)
+    sim.note(f"{eng.name} granted {hold.key[:18]} ({hold.nblocks} blocks) for "
+              f"{reader.name if reader else 'nobody'}")
+    if reader is None:
+        lose(sim, req)
+        return
+    req.reader = reader
+    sim.at(sim.t + sim.settings.proxy_delay, lambda: reader_arrival(sim, req))
+
+
+def rank_freed(sim: Simulator, eng: EngineState, rank: int, key: str, expired: bool) -> None:
+    hold = eng.holds.get(key)
+    if hold is None or rank not in hold.ranks_live:
+        sim.violate("safety", "S4 double free",
+                     f"{eng.name} rank {rank} freed {key[:18]} that it does not hold")
+        return
+    hold.ranks_live.discard(rank)
+    if expired:
+        checks.bound_oracle(sim, hold, rank)
+    if not hold.ranks_live:
+        end_hold(sim, hold, lost=False)
+
+
+def end_hold(sim: Simulator, hold: Hold, *, lost: bool) -> None:
+    """Every rank freed (or the holder died): the blocks are gone."""
+    eng = hold.engine
+    t = sim.t
+    hold.ended_at = t
+    hold.lost = lost
+    del eng.holds[hold.key]
+    sim.open_holds -= 1
+    held(sim, -hold.nblocks)
+    req = hold.req
+    if not lost:
+        bad = eng.pool.release(hold.blocks, hold)
+        if bad:
+            sim.violate("safety", "S4 double free",
+                         f"{eng.name} freed {bad} blocks of {hold.key[:18]} twice")
+        if hold.dead_since is None and req is not None and req.state.waiting_for_blocks:
+            sim.metrics.premature_frees += 1
+            sim.note(f"{eng.name} freed {hold.key[:18]} while its reader "
+                      f"{req.reader.name if req.reader else '?'} still needs it (premature)")
+        else:
+            sim.note(f"{eng.name} freed {hold.key[:18]}")
+    if hold.dead_since is not None:
+        sim.metrics.dead_block_seconds += hold.nblocks * (t - hold.dead_since)
+
+
+def held(sim: Simulator, delta: int) -> None:
+    sim.held_blocks += delta
+    if sim.record_timeline:
+        sim.timeline.append((sim.t, sim.held_blocks))
+
+
+def mark_dead(hold: Hold, t: float) -> None:
+    """From ``t`` on, no live reader will use ``hold``'s blocks."""
+    if hold.dead_since is None and hold.ended_at is None:
+        hold.dead_since = t
+
+
+def reader_arrival(sim: Simulator, req: Req) -> None:
+    reader = req.reader
+    if req.state is not ReqState.TRANSIT or reader is None:
+        return
+    if not reader.alive:
+        lose(sim, req)
+        return
+    reader.arrivals.append(req)
+    wait = req.arrival.queue_wait if req.turn == 1 else 0.0
+    req.admit_at = sim.t + wait
+    sim.request_wake(reader, sim.t)
+    if wait > 0:
+        sim.at(req.admit_at, lambda: sim.request_wake(reader, req.admit_at))
+
+
+def reader_work(sim: Simulator, eng: EngineState, now: float) -> None:
+    side = eng.side
+    arrivals, eng.arrivals = eng.arrivals, []
+    for req in arrivals:
+        if req.state is not ReqState.TRANSIT:
+            continue
+        req.state = ReqState.TRACKED
+        side.track(now, req)
+        sim.note(f"{eng.name} tracks {req.key[:18]}")
+        eng.waiting.append(req)
+        sim.effects(eng)
+    t = sim.t
+    still: list[Req] = []
+    for req in eng.waiting:
+        if req.state is not ReqState.TRACKED:
+            continue
+        if req.admit_at > t:
+            still.append(req)
+            continue
+        if req.local_blocks is None:
+            n = len(req.hold.blocks)
+            req.local_blocks = eng.pool.allocate(n, req)
+            if req.local_blocks is None:
+                still.append(req)
+                continue
+        outcome = side.try_read(now, req)
+        if outcome is ReadStart.STARTED:
+            req.state = ReqState.READING
+            sim.note(f"{eng.name} reads {req.key[:18]} from {req.hold.engine.name}")
+        elif outcome is ReadStart.WAIT:
+            still.append(req)
+        sim.effects(eng)
+        if outcome is ReadStart.DECLINED and req.state.waiting_for_blocks:
+            fail(sim, req, "declined")
+    eng.waiting = still
+
+
+def copied(sim: Simulator, tr: SimTransport, read_id: ReadId) -> None:
+    """The loopback copied a read's data just now: did it overlap a free?"""
+    rec = sim.reads.pop((tr.real.local_peer, read_id), None)
+    if rec is None:
+        return
+    t = sim.t
+    rec.copied_at = t
+    req = rec.req
+    hold = req.hold
+    rec.intact = (
+        hold.ended_at is None
+        and hold.engine.incarnation == hold.incarnation
+        and hold.engine.pool.owns(hold.blocks, hold)
+    )
+    if not rec.intact:
+        sim.note(f"{tr.real.local_peer} copied {req.key[:18]} AFTER {hold.engine.name} "
+                  f"freed it")
+    req.reads_copied += 1
+    if req.reads_copied == len(req.reads) and req.state is ReqState.READING:
+        mark_dead(hold, t)  # the data has moved: the holder's copy serves nobody now
+    if sim.liveness and req.reader is not None:
+        wait = 2 * req.reader.max_step + 1e-6
+        if req.reader.side.uses_fence:
+            wait += 5.0  # ack_timeout
+        sim.at(t + wait, lambda: checks.check_l2(sim, req, t))
+
+
+def use(sim: Simulator, req: Req) -> None:
+    """Every reader rank may use its blocks: the model computes with them."""
+    eng = req.reader
+    assert eng is not None
+    req.state = ReqState.USED
+    sim.extra["used"] += 1
+    overlapped = [r for r in req.reads if r.intact is not True]
+    corrupted = not bytes_ok(sim, req)
+    if corrupted:
+        sim.extra["corrupted"] += 1
+    if overlapped:
+        sim.metrics.overlapped_reads += 1
+        sim.violate(
+            "safety", "S1 use after free",
+            f"{eng.name} used {req.key[:18]} read from {req.hold.engine.name} after it was "
+            f"freed at {req.hold.ended_at}" + (" (bytes differ)" if corrupted else ""),
+        )
+    elif corrupted:
+        sim.violate("safety", "S0 simulator",
+                     f"{req.key[:18]}: bytes differ though no free overlapped the read")
+    sim.note(f"{eng.name} uses {req.key[:18]}")
+    resolve(sim, req)
+
+
+def bytes_ok(sim: Simulator, req: Req) -> bool:
+    eng = req.reader
+    assert eng is not None and req.local_blocks is not None
+    content = req.hold.content
+    for rank, tr in enumerate(eng.transports):
+        heads = rank_heads(rank, eng.tp)
+        for j, b in enumerate(req.local_blocks):
+            if tr.real.read_block(0, b) != block_bytes(content, j, heads):
+                return False
+    return True
+
+
+def fail(sim: Simulator, req: Req, reason: str) -> None:
+    """The reader cannot use the blocks: it recomputes them."""
+    req.state = ReqState.FAILED
+    sim.metrics.wasted_prefill_tokens += req.tokens
+    sim.extra["recomputed"] += 1
+    mark_dead(req.hold, sim.t)
+    sim.note(f"{req.reader.name if req.reader else '?'} recomputes {req.key[:18]} ({reason})")
+    resolve(sim, req)
+
+
+def resolve(sim: Simulator, req: Req) -> None:
+    eng = req.reader
+    assert eng is not None
+    if not req.finished:
+        req.finished = True
+        eng.side.finish(eng.clock.local(sim.t), req)
+    if req.turn == 1:
+        duration = req.arrival.output_tokens * sim.scenario.d_steps.step
+        end = eng.boundary(sim.t + duration)
+        sim.at(end, lambda: decode_done(sim, req))
+    else:
+        release_local(sim, req)
+        request_done(sim, req)
+
+
+def release_local(sim: Simulator, req: Req) -> None:
+    eng = req.reader
+    if req.local_blocks is not None and eng is not None and eng.alive:
+        eng.pool.release(req.local_blocks, req)
+    req.local_blocks = None
+
+
+def request_done(sim: Simulator, req: Req) -> None:
+    sim.reqs.pop(req.key, None)
+    sim.open_requests -= 1
+
+
+def lose(sim: Simulator, req: Req) -> None:
+    req.state = ReqState.LOST
+    mark_dead(req.hold, sim.t)
+    sim.extra["lost"] += 1
+    request_done(sim, req)
+
+
+def decode_done(sim: Simulator, req: Req) -> None:
+    eng = req.reader
+    assert eng is not None
+    if req.key not in sim.reqs or not eng.alive:
+        return  # lost with its engine
+    a = req.arrival
+    if not a.turn2:
+        release_local(sim, req)
+        request_done(sim, req)
+        return
+    # Bidirectional: D keeps the conversation's KV (prompt + output) for turn 2.
+    now = eng.clock.local(sim.t)
+    need = prompt_blocks(a.prompt_tokens + a.output_tokens)
+    mine = req.local_blocks or []
+    more = eng.pool.allocate(max(0, need - len(mine)), req) if need > len(mine) else []
+    request_done(sim, req)
+    if more is None:
+        release_local(sim, req)
+        return
+    req.local_blocks = None
+    hold = new_hold(
+        sim, eng, now=now, key="t2-" + a.request_id, blocks=mine + more,
+        content=2 * a.index + 2, ttl=sim.policy.turn2_ttl,
+    )
+    req2 = Req(key=hold.key, turn=2, arrival=a, hold=hold,
+               tokens=a.prompt_tokens + a.output_tokens, state=ReqState.THINKING)
+    hold.req = req2
+    sim.reqs[req2.key] = req2
+    sim.open_requests += 1
+    sim.extra["turn2"] += 1
+    sim.at(sim.t + a.think, lambda: client_returns(sim, req2))
+
+
+def client_returns(sim: Simulator, req: Req) -> None:
+    reader = route(sim, sim.prefill, req.arrival.turn2_prefill)
+    if reader is None:
+        lose(sim, req)
+        return
+    req.reader = reader
+    req.state = ReqState.TRANSIT
+    sim.at(sim.t + sim.settings.proxy_delay, lambda: reader_arrival(sim, req))

@@ -1,0 +1,89 @@
+"""The four policies compared by ``kvproto simulate``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvproto.config import LeaseConfig
+from kvproto_tools.baselines.vllm_lease import VllmLeaseConfig
+from kvproto_tools.sim.sides import KvprotoSide, Side, VllmSide
+
+if TYPE_CHECKING:
+    from kvproto_tools.sim.transport import SimTransport
+
+MAX_NOTIFICATION = 65_536
+"""Notification size cap of every simulated endpoint (kvproto splits to fit; vLLM does not)."""
+
+SideFactory = Callable[["list[SimTransport]", str, int, str], Side]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Policy:
+    """How an engine keeps blocks for a reader."""
+
+    name: str
+    """Command-line name."""
+    summary: str
+    """One line for the table legend."""
+    turn1_ttl: float
+    """Initial lease (or the only timeout) of prefill blocks, seconds."""
+    turn2_ttl: float
+    """Lease of decoder-held turn-2 blocks, seconds."""
+    make: SideFactory
+    """Builds one engine incarnation's side: (transports, engine name, incarnation, seed)."""
+
+
+def _vllm(config: VllmLeaseConfig) -> SideFactory:
+    def make(transports: list[SimTransport], name: str, incarnation: int, seed: str) -> Side:
+        return VllmSide(transports, name, incarnation, config)
+
+    return make
+
+
+KVPROTO_CONFIG = LeaseConfig(max_notification_size=MAX_NOTIFICATION)
+"""kvproto at its defaults (30 s lease, 5 s interval, 20 s extension, 480 s turn-2 TTL)."""
+
+
+def _kvproto(transports: list[SimTransport], name: str, incarnation: int, seed: str) -> Side:
+    return KvprotoSide(transports, name, incarnation, KVPROTO_CONFIG, seed)
+
+
+POLICIES: dict[str, Policy] = {
+    p.name: p
+    for p in (
+        Policy(
+            name="fixed-480",
+            summary="vLLM before leases: one 480 s timeout, no heartbeat",
+            turn1_ttl=480.0,
+            turn2_ttl=480.0,
+            make=_vllm(
+                VllmLeaseConfig(kv_lease_duration=480, decoder_kv_blocks_ttl=480, heartbeats=False)
+            ),
+        ),
+        Policy(
+            name="fixed-short",
+            summary="one 30 s timeout, no heartbeat",
+            turn1_ttl=30.0,
+            turn2_ttl=30.0,
+            make=_vllm(
+                VllmLeaseConfig(kv_lease_duration=30, decoder_kv_blocks_ttl=30, heartbeats=False)
+            ),
+        ),
+        Policy(
+            name="vllm-lease",
+            summary="vLLM lease v4: text heartbeats, raw counting, head-stopping reaper",
+            turn1_ttl=30.0,
+            turn2_ttl=480.0,
+            make=_vllm(VllmLeaseConfig()),
+        ),
+        Policy(
+            name="kvproto",
+            summary="kvproto's core: sessions, fenced reads, distinct consumers",
+            turn1_ttl=KVPROTO_CONFIG.kv_lease_duration,
+            turn2_ttl=KVPROTO_CONFIG.decoder_kv_blocks_ttl,
+            make=_kvproto,
+        ),
+    )
+}

@@ -1,0 +1,233 @@
+"""Presenting runs: the comparison table, one conclusion per scenario, JSON, the plot."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from kvproto_tools.sim.engine import RunResult
+from kvproto_tools.sim.model import METRIC_KEYS
+from kvproto_tools.sim.policies import POLICIES
+from kvproto_tools.sim.scenarios import SCENARIOS
+
+LABELS: dict[str, tuple[str, str]] = {
+    "reclaim_s": (
+        "reclaim s",
+        "seconds from a decode crash until all of the dead decoder's blocks were freed",
+    ),
+    "dead_block_seconds": (
+        "dead blk·s",
+        "KV blocks x seconds held although no live reader would use them",
+    ),
+    "premature_frees": (
+        "premature",
+        "block sets freed while a live reader still waited to read them",
+    ),
+    "overlapped_reads": (
+        "used freed",
+        "reads whose data was used although the blocks were freed before the read ended "
+        "(silent corruption)",
+    ),
+    "wasted_prefill_tokens": (
+        "recomp tok",
+        "prompt tokens recomputed because prefilled blocks could not be used",
+    ),
+    "heartbeat_bytes": ("HB bytes", "bytes of heartbeat traffic (kvproto: heartbeats + acks)"),
+    "heartbeat_messages": ("HB msgs", "heartbeat messages (kvproto: heartbeats + acks)"),
+    "safety_violations": (
+        "unsafe",
+        "safety oracle failures (use of freed blocks, shortened deadline, double free, ...)",
+    ),
+}
+SUMMED = frozenset({"premature_frees", "overlapped_reads", "safety_violations"})
+"""Counts: summed over seeds. Every other figure is averaged per run."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Row:
+    """One (scenario, policy) aggregated over its seeds."""
+
+    scenario: str
+    """Scenario name."""
+    policy: str
+    """Policy name."""
+    runs: int
+    """Number of seeds."""
+    values: dict[str, float | None]
+    """Per metric: sum (counts) or mean (everything else); None if never defined."""
+    reclaim_max: float | None
+    """Worst reclaim over the seeds."""
+    liveness: int
+    """Liveness violations, summed."""
+
+
+def aggregate(results: Iterable[RunResult]) -> list[Row]:
+    """Group runs by (scenario, policy) in the canonical order."""
+    groups: dict[tuple[str, str], list[RunResult]] = {}
+    for r in results:
+        groups.setdefault((r.scenario, r.policy), []).append(r)
+    order = {name: i for i, name in enumerate(SCENARIOS)}
+    porder = {name: i for i, name in enumerate(POLICIES)}
+    rows = []
+    for (scenario, policy), runs in sorted(
+        groups.items(), key=lambda kv: (order[kv[0][0]], porder[kv[0][1]])
+    ):
+        values: dict[str, float | None] = {}
+        for key in METRIC_KEYS:
+            xs = [float(v) for r in runs if (v := r.metrics[key]) is not None]
+            if not xs:
+                values[key] = None
+            elif key in SUMMED:
+                values[key] = sum(xs)
+            else:
+                values[key] = sum(xs) / len(xs)
+        reclaims = [float(v) for r in runs if (v := r.metrics["reclaim_s"]) is not None]
+        rows.append(
+            Row(
+                scenario=scenario, policy=policy, runs=len(runs), values=values,
+                reclaim_max=max(reclaims) if reclaims else None,
+                liveness=sum(r.liveness_violations for r in runs),
+            )
+        )
+    return rows
+
+
+def _fmt(key: str, value: float | None) -> str:
+    if value is None:
+        return "-"
+    if key in ("reclaim_s",):
+        return f"{value:.1f}"
+    if key == "dead_block_seconds":
+        return f"{value:,.0f}"
+    if key in SUMMED:
+        return f"{value:.0f}"
+    return f"{value:,.0f}"
+
+
+def build_table(rows: Sequence[Row], *, liveness: bool, seeds: int) -> Table:
+    """The rich comparison table."""
+    per = "per run" if seeds == 1 else f"mean of {seeds} seeds; counts summed"
+    table = Table(title=f"kvproto simulate - {per}", header_style="bold", show_lines=False)
+    table.add_column("scenario", style="cyan", no_wrap=True)
+    table.add_column("policy", no_wrap=True)
+    for key in METRIC_KEYS:
+        table.add_column(LABELS[key][0], justify="right")
+    if liveness:
+        table.add_column("liveness", justify="right")
+    last = None
+    for row in rows:
+        if last is not None and row.scenario != last:
+            table.add_section()
+        cells = [row.scenario if row.scenario != last else "", row.policy]
+        for key in METRIC_KEYS:
+            text = _fmt(key, row.values[key])
+            if key == "reclaim_s" and seeds > 1 and row.reclaim_max is not None:
+                text += f" (max {row.reclaim_max:.0f})"
+            bad = key in ("overlapped_reads", "safety_violations") and (row.values[key] or 0) > 0
+            cells.append(f"[red]{text}[/red]" if bad else text)
+        if liveness:
+            cells.append(f"[red]{row.liveness}[/red]" if row.liveness else "0")
+        table.add_row(*cells)
+        last = row.scenario
+    return table
+
+
+def conclusions(rows: Sequence[Row]) -> list[str]:
+    """One line per scenario: its headline figure per policy, and who used freed blocks."""
+    by_scenario: dict[str, list[Row]] = {}
+    for row in rows:
+        by_scenario.setdefault(row.scenario, []).append(row)
+    out = []
+    for scenario, group in by_scenario.items():
+        sc = SCENARIOS[scenario]
+        key = sc.headline
+        label = LABELS[key][0]
+        figures = ", ".join(f"{r.policy} {_fmt(key, r.values[key])}" for r in group)
+        unsafe = [
+            f"{r.policy} ({_fmt('overlapped_reads', r.values['overlapped_reads'])})"
+            for r in group if (r.values["overlapped_reads"] or 0) > 0
+        ]
+        verdict = "used freed blocks: " + (", ".join(unsafe) if unsafe else "nobody")
+        out.append(f"[cyan]{scenario}[/cyan] ({sc.summary}): {label}: {figures}; {verdict}.")
+    return out
+
+
+def print_report(
+    console: Console, results: Sequence[RunResult], *, liveness: bool, seeds: int
+) -> None:
+    """Table, legend and conclusions."""
+    rows = aggregate(results)
+    console.print(build_table(rows, liveness=liveness, seeds=seeds))
+    console.print("[bold]Columns[/bold]")
+    for key in METRIC_KEYS:
+        name, meaning = LABELS[key]
+        console.print(f"  [bold]{name}[/bold]: {meaning}")
+    if liveness:
+        console.print("  [bold]liveness[/bold]: liveness bound failures (L1-L3, spec/simulator.md)")
+    console.print("[bold]Policies[/bold]")
+    for name, policy in POLICIES.items():
+        if any(r.policy == name for r in rows):
+            console.print(f"  [bold]{name}[/bold]: {policy.summary}")
+    console.print("[bold]Conclusions[/bold]")
+    for line in conclusions(rows):
+        console.print("  " + line)
+
+
+def write_json(results: Sequence[RunResult], path: str | Path) -> None:
+    """``{"runs": [...]}`` exactly as documented in spec/simulator.md."""
+    doc = {"runs": [r.to_json() for r in results]}
+    Path(path).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+
+
+def plot(results: Sequence[RunResult], path: str | Path) -> None:
+    """Held blocks over time, one panel per scenario, one line per policy (first seed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    first: dict[tuple[str, str], RunResult] = {}
+    for r in results:
+        if r.timeline and (r.scenario, r.policy) not in first:
+            first[(r.scenario, r.policy)] = r
+    scenarios = [s for s in SCENARIOS if any(k[0] == s for k in first)]
+    if not scenarios:
+        raise ValueError("no run recorded a timeline")
+    ncols = min(3, len(scenarios))
+    nrows = math.ceil(len(scenarios) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 3.4 * nrows), squeeze=False)
+    colors = {"fixed-480": "tab:red", "fixed-short": "tab:orange", "vllm-lease": "tab:blue",
+              "kvproto": "tab:green"}
+    for i, scenario in enumerate(scenarios):
+        ax = axes[i // ncols][i % ncols]
+        for policy in POLICIES:
+            run = first.get((scenario, policy))
+            if run is None:
+                continue
+            xs = [t for t, _ in run.timeline]
+            ys = [n for _, n in run.timeline]
+            ax.step(xs, ys, where="post", label=policy, color=colors.get(policy),
+                    linewidth=1.6 if policy == "kvproto" else 1.1,
+                    alpha=1.0 if policy == "kvproto" else 0.8)
+        ax.set_title(f"{scenario} (seed {first_seed(first, scenario)})", fontsize=10)
+        ax.set_xlabel("time (s)")
+        ax.set_ylabel("KV blocks held")
+        ax.grid(alpha=0.3)
+    for j in range(len(scenarios), nrows * ncols):
+        axes[j // ncols][j % ncols].axis("off")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=len(labels), frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.94))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def first_seed(first: dict[tuple[str, str], RunResult], scenario: str) -> int:
+    """The seed plotted for ``scenario``."""
+    return min(r.seed for (s, _), r in first.items() if s == scenario)

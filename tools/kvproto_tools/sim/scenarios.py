@@ -1,0 +1,175 @@
+"""The named scenarios: one fault (or none) each, on the same cluster and workload shape.
+
+Every scenario runs two prefill engines (P0 with TP 1, P1 with TP 2) and two
+decode engines (D0 with TP 2, D1 with TP 1), so every pairing of tensor
+parallel layouts occurs: one holder rank read by two reader ranks (P0→D0),
+one reader rank reading two holder ranks (P1→D1), and equal layouts.
+spec/simulator.md describes each scenario and why its parameters are what they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvproto_tools.sim.clock import NodeClock, StepModel
+from kvproto_transports.loopback import LinkFaults
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineSpec:
+    """One engine of the simulated cluster."""
+
+    name: str
+    """Engine name (its endpoints are ``<name>r<rank>``)."""
+    role: str
+    """``"P"`` (prefill: holds turn-1 blocks, reads turn-2) or ``"D"`` (the reverse)."""
+    tp: int
+    """Tensor-parallel size: one holder/reader and one transport endpoint per rank."""
+
+
+CLUSTER: tuple[EngineSpec, ...] = (
+    EngineSpec(name="P0", role="P", tp=1),
+    EngineSpec(name="P1", role="P", tp=2),
+    EngineSpec(name="D0", role="D", tp=2),
+    EngineSpec(name="D1", role="D", tp=1),
+)
+
+NETWORK = LinkFaults(delay=0.0005, jitter=0.0005)
+"""Healthy links: half a millisecond one way, plus up to half a millisecond of jitter."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class QueueWait:
+    """How long a request waits in the reader's queue before it is scheduled (and reads)."""
+
+    kind: str = "exp"
+    """``"exp"`` (exponential with mean ``a``, capped at ``b``) or ``"uniform"`` on ``[a, b]``."""
+    a: float = 1.0
+    """Mean (exp) or lower end (uniform), seconds."""
+    b: float = 20.0
+    """Cap (exp) or upper end (uniform), seconds."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Scenario:
+    """A workload plus at most one kind of fault."""
+
+    name: str
+    """Command-line name."""
+    summary: str
+    """One line: what happens."""
+    headline: str
+    """The figure this scenario is about (a metrics key)."""
+    arrival_rate: float = 1.5
+    """Poisson arrivals per second at the prefill tier."""
+    arrival_window: float = 120.0
+    """Requests arrive during ``[0, arrival_window)``; the run then continues until quiet."""
+    prompt_tokens: tuple[int, int] = (128, 2048)
+    """Prompt length range (log-uniform)."""
+    output_tokens: tuple[int, int] = (32, 256)
+    """Generated tokens range (uniform)."""
+    queue_wait: QueueWait = field(default_factory=QueueWait)
+    """Decode queue wait before a request is scheduled and reads its blocks."""
+    d_steps: StepModel = field(default_factory=lambda: StepModel(step=0.04))
+    """Decode forward-step durations."""
+    link: LinkFaults = NETWORK
+    """Faults of every link."""
+    detection_delay: float = 1.0
+    """Seconds from an endpoint's death to PeerLost at its peers (inf: never reported)."""
+    decode_crash: tuple[str, float] | None = None
+    """(engine, time): kill -9 of a decode engine."""
+    prefill_restart: tuple[str, float, float] | None = None
+    """(engine, time, downtime): a prefill engine dies and comes back as a new incarnation."""
+    partition: tuple[str, str, float, tuple[float, float]] | None = None
+    """(engine a, engine b, start, duration range): cut every link between them, then heal."""
+    clocks: dict[str, NodeClock] = field(default_factory=dict)
+    """Per-engine clocks (default: offset 0, no drift)."""
+    turn2_fraction: float = 0.0
+    """Fraction of requests with a second turn whose KV blocks the decoder holds."""
+    think_mean: float = 240.0
+    """Mean client think time before turn 2, seconds (exponential)."""
+
+
+_SKEW = {
+    "P0": NodeClock(offset=+3600.0, drift_ppm=+200.0),
+    "P1": NodeClock(offset=-3600.0, drift_ppm=-200.0),
+    "D0": NodeClock(offset=-3600.0, drift_ppm=-200.0),
+    "D1": NodeClock(offset=+3600.0, drift_ppm=+200.0),
+}
+
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in (
+        Scenario(
+            name="normal",
+            summary="healthy cluster, short decode queues",
+            headline="heartbeat_bytes",
+        ),
+        Scenario(
+            name="decode-crash",
+            summary="D0 killed (kill -9, silent: no transport report) at 60 s while requests wait",
+            headline="reclaim_s",
+            queue_wait=QueueWait(kind="exp", a=10.0, b=90.0),
+            detection_delay=float("inf"),
+            decode_crash=("D0", 60.0),
+        ),
+        Scenario(
+            name="decode-overload",
+            summary="decode queues of up to 10x the 30 s lease (0-300 s)",
+            headline="premature_frees",
+            arrival_rate=0.5,
+            queue_wait=QueueWait(kind="uniform", a=0.0, b=300.0),
+        ),
+        Scenario(
+            name="slow-forward",
+            summary="decode forward steps of 1-20 s now and then (heartbeats wait for them)",
+            headline="overlapped_reads",
+            queue_wait=QueueWait(kind="exp", a=10.0, b=90.0),
+            d_steps=StepModel(step=0.04, slow_range=(1.0, 20.0), slow_every=20.0),
+        ),
+        Scenario(
+            name="lossy",
+            summary="5% drop, 5% duplicate, 5% reorder, 1-5 ms delay on every link",
+            headline="overlapped_reads",
+            queue_wait=QueueWait(kind="exp", a=5.0, b=60.0),
+            link=LinkFaults(
+                drop=0.05, duplicate=0.05, reorder=0.05, delay=0.001, jitter=0.004,
+                reorder_window=0.01,
+            ),
+        ),
+        Scenario(
+            name="partition",
+            summary="D1 cut off from P1 for 10-60 s at 40 s, then healed",
+            headline="overlapped_reads",
+            queue_wait=QueueWait(kind="exp", a=10.0, b=90.0),
+            partition=("D1", "P1", 40.0, (10.0, 60.0)),
+        ),
+        Scenario(
+            name="prefill-restart",
+            summary="P1 dies at 50 s and restarts 10 s later as a new incarnation",
+            headline="wasted_prefill_tokens",
+            queue_wait=QueueWait(kind="exp", a=10.0, b=90.0),
+            prefill_restart=("P1", 50.0, 10.0),
+        ),
+        Scenario(
+            name="clock-skew",
+            summary="clocks offset by +-1 h, drifting +-200 ppm; half the requests have a turn 2",
+            headline="overlapped_reads",
+            queue_wait=QueueWait(kind="exp", a=5.0, b=60.0),
+            clocks=_SKEW,
+            turn2_fraction=0.5,
+        ),
+        Scenario(
+            name="bidirectional",
+            summary="half the requests have a turn 2 read back from D's blocks (480 s TTL)",
+            headline="wasted_prefill_tokens",
+            turn2_fraction=0.5,
+        ),
+    )
+}
+
+DEFAULT_SET: tuple[str, ...] = tuple(SCENARIOS)
+"""What ``kvproto simulate`` runs with no arguments: every scenario."""
+
+FAULT_SCENARIOS: tuple[str, ...] = tuple(n for n in SCENARIOS if n != "normal")
+"""The scenarios that inject a fault (the CI sweep rotates through these)."""
