@@ -243,12 +243,45 @@ def test_a_read_of_unregistered_remote_memory_is_an_error_not_a_hang(pair: Pair)
     )
     third = NixlTransport(name_prefix="t", progress_thread=False)
     try:
-        third.register_blocks(_layout(_memory(fill=None)))
+        mem = _memory(fill=None)  # kept alive while registered
+        third.register_blocks(_layout(mem))
         peer = third.add_peer(forged)
         with pytest.raises(MemoryNotRegistered):
             third.read_blocks(peer, local_blocks=[0], remote_blocks=[0])
     finally:
         third.close()
+
+
+def test_bare_agent_metadata_and_a_spoofed_envelope(pair: Pair) -> None:
+    meta, layout = nixl_wire.decode_metadata(pair.holder.metadata())
+    other = NixlTransport(name_prefix="o", progress_thread=False)
+    try:
+        # A stock peer: bare NIXL agent metadata plus its layout.
+        peer = other.add_nixl_agent(meta.agent_metadata, layout)
+        assert peer == pair.hpeer
+        assert other.add_nixl_agent(meta.agent_metadata, layout) == peer  # idempotent
+        mem = _memory(fill=None)  # kept alive while registered
+        other.register_blocks(_layout(mem))
+        # An envelope that names someone else but carries the known peer's blob is refused,
+        # and the known peer keeps working.
+        forged = nixl_wire.encode_metadata(
+            nixl_wire.EndpointMetadata(
+                kind=meta.kind,
+                version=meta.version,
+                agent_name="someone-else",
+                agent_metadata=meta.agent_metadata,
+                layout=meta.layout,
+            )
+        )
+        with pytest.raises(BadMetadata):
+            other.add_peer(forged)
+        rid = other.read_blocks(peer, local_blocks=[1], remote_blocks=[2])
+        sink: dict[str, list[TransportEvent]] = {}
+        _pump([pair.holder, other], lambda: bool(sink.get(other.local_peer)), sink)
+        assert sink[other.local_peer] == [ReadCompleted(read_id=rid)]
+        assert bytes(mem[0, 1]) == bytes(pair.hmem[0, 2])
+    finally:
+        other.close()
 
 
 def test_metadata_taken_before_registration_is_refreshed(pair: Pair) -> None:

@@ -92,6 +92,12 @@ class _Raw:
         self.remote = self.r.prep_xfer_dlist("bench-raw-holder", _rows(lh), "DRAM")
         self.timeout_s = timeout_s
 
+    def close(self) -> None:
+        """Drop the agents while their registered memory is still alive."""
+        self.local.release()
+        self.remote.release()
+        del self.h, self.r
+
     def rtt(self) -> float:
         h, r = self.h, self.r
         t0 = time.perf_counter()
@@ -207,6 +213,7 @@ def measure_overhead(
             raise RuntimeError("the READ did not move the expected bytes")
     finally:
         kv.close()
+        raw.close()
     out: dict[str, Any] = {
         "config": {
             "iterations": iterations,

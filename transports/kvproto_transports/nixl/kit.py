@@ -48,6 +48,8 @@ class NixlGroup(RealTimeGroup):
         self._memory = [HostMemory() for _ in range(size)]
         self._eps = [self._new(i) for i in range(size)]
         self._dead: set[int] = set()
+        self._graveyard: list[HostMemory] = []
+        """Memory of killed incarnations: NIXL may still deregister it while it tears down."""
 
     def _new(self, index: int) -> NixlTransport:
         return NixlTransport(name_prefix=f"ep{index}", **self._options)  # type: ignore[arg-type]
@@ -85,6 +87,7 @@ class NixlGroup(RealTimeGroup):
     def restart(self, index: int) -> Transport:
         if index not in self._dead:
             self.kill(index)
+        self._graveyard.append(self._memory[index])
         self._memory[index] = HostMemory()
         self._eps[index] = self._new(index)
         self._dead.discard(index)

@@ -248,26 +248,44 @@ class NixlTransport:
         """Load a peer's agent metadata; idempotent, and refreshes a peer whose metadata grew."""
         self._check()
         meta, layout = decode_metadata(bytes(metadata))
-        if meta.agent_name == self._name:
+        return self._load(meta.agent_name, meta.agent_metadata, layout, bytes(metadata))
+
+    def add_nixl_agent(self, agent_metadata: bytes, layout: BlockLayout | None) -> PeerId:
+        """Add a peer from bare NIXL agent metadata and its layout, not from ``metadata()``.
+
+        For peers that are not NixlTransports, e.g. a stock vLLM engine whose
+        handshake payload carries ``agent_metadata`` and the KV layout fields.
+        """
+        self._check()
+        raw = bytes(agent_metadata) + repr(layout).encode()
+        return self._load(None, bytes(agent_metadata), layout, raw)
+
+    def _load(
+        self, expected: str | None, agent_md: bytes, layout: BlockLayout | None, raw: bytes
+    ) -> PeerId:
+        if expected == self._name:
             raise BadMetadata("this is the endpoint's own metadata")
-        old = self._peers.get(meta.agent_name)
-        if old is not None and old.raw == metadata and old.lost is None:
+        old = self._peers.get(expected) if expected is not None else None
+        if old is not None and old.raw == raw and old.lost is None:
             return old.name
         try:
-            loaded = self._agent.add_remote_agent(meta.agent_metadata)
+            loaded = self._agent.add_remote_agent(agent_md)
         except self._api.error_types as exc:
             raise BadMetadata(f"NIXL refused the agent metadata: {_describe(exc)}") from exc
-        loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
-        if loaded_name != meta.agent_name:
-            # The envelope names one agent and the NIXL blob another: refuse both.
-            self._invalidate(loaded_name)
-            raise BadMetadata(f"metadata names {meta.agent_name!r} but carries {loaded_name!r}")
+        name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        if expected is not None and name != expected:
+            # The envelope names one agent and the NIXL blob another: refuse it, and
+            # forget the blob's agent unless it is a peer we already trust.
+            if name not in self._peers:
+                self._invalidate(name)
+            raise BadMetadata(f"metadata names {expected!r} but carries {name!r}")
+        old = self._peers.get(name)
         if old is not None:
+            if old.raw == raw and old.lost is None:
+                return name  # the same peer again: keep its prepared lists
             self._release_dlists(old)
-        self._peers[meta.agent_name] = _Peer(
-            name=meta.agent_name, raw=bytes(metadata), layout=layout
-        )
-        return meta.agent_name
+        self._peers[name] = _Peer(name=name, raw=raw, layout=layout)
+        return name
 
     def remove_peer(self, peer: PeerId) -> None:
         """Forget a peer and disconnect from it; its in-flight reads fail. Idempotent."""
@@ -337,7 +355,11 @@ class NixlTransport:
     # --- memory and reads ------------------------------------------------
 
     def register_blocks(self, layout: BlockLayout) -> None:
-        """Register every region of ``layout`` (DRAM or VRAM) and prepare the local list."""
+        """Register every region of ``layout`` (DRAM or VRAM) and prepare the local list.
+
+        The memory must stay allocated until :meth:`close` (which deregisters
+        it): NIXL crashed the process when memory freed under it was deregistered.
+        """
         self._check()
         if self._layout is not None:
             raise RegistrationError("memory is already registered on this endpoint")
