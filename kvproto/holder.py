@@ -634,9 +634,12 @@ class Holder:
         self._by_serial.pop(session.serial, None)
         for lease_id in list(session.leases):
             lease = self._leases[lease_id]
-            self._detach(lease, session, fall_back=False)
-            if lost and not lease.sessions:
+            if lost and lease.sessions == {session}:
                 self._end(now, lease, LeaseInput.PEER_LOST, ReleaseReason.PEER_LOST)
+            else:
+                # Another session (another reader rank) still holds it: the lease keeps
+                # what this one had given it, or its deadline would move earlier (S2).
+                self._detach(lease, session)
 
     def _evict_idle_session(self) -> bool:
         for peer, session in self._sessions.items():
