@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 import zmq
+
 from kvproto_transports.sidechannel import (
     AuthenticationFailed,
     CircuitOpen,
