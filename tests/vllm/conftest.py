@@ -23,7 +23,7 @@ HERE = Path(__file__).resolve().parent
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Everything under tests/vllm needs vLLM: mark it so `-m "not vllm"` works."""
     for item in items:
-        if HERE in Path(str(item.fspath)).resolve().parents:
+        if HERE in item.path.resolve().parents:
             item.add_marker(pytest.mark.vllm)
 
 

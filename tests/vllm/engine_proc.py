@@ -240,7 +240,13 @@ class EngineProc:
     def _reply(self, timeout_s: float, what: str) -> Any:
         if not self._conn.poll(timeout_s):
             raise TimeoutError(f"{self.name}: no answer to {what} in {timeout_s} s")
-        status, value = self._conn.recv()
+        try:
+            status, value = self._conn.recv()
+        except EOFError:
+            self.proc.join(5)
+            raise RuntimeError(
+                f"{self.name}: engine process died during {what} (exit {self.proc.exitcode})"
+            ) from None
         if status != "ok":
             raise RuntimeError(f"{self.name}: {value}")
         return value
