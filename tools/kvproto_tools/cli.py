@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from kvproto_tools.sim.engine import RunResult
 from kvproto_tools.sim.policies import POLICIES
 from kvproto_tools.sim.report import plot, print_report, write_json
-from kvproto_tools.sim.scenarios import DEFAULT_SET, SCENARIOS
+from kvproto_tools.sim.scenarios import DEFAULT_SET, FAULT_SCENARIOS, SCENARIOS
 from kvproto_tools.sim.sweep import plan, sweep
 
 _DELEGATES = {
@@ -38,6 +38,8 @@ def _names(value: str | None, known: Sequence[str], default: Sequence[str]) -> l
         return list(default)
     if value == "all":
         return list(known)
+    if value == "faults" and known == list(SCENARIOS):
+        return list(FAULT_SCENARIOS)
     names = [v.strip() for v in value.split(",") if v.strip()]
     unknown = [n for n in names if n not in known]
     if unknown:
@@ -64,8 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
             "With no options: every scenario, every policy, seed 0."
         ),
     )
-    sim.add_argument("--scenario", metavar="NAME|all",
-                     help=f"scenario(s), comma-separated: {', '.join(SCENARIOS)} (default: all)")
+    sim.add_argument("--scenario", metavar="NAME|all|faults",
+                     help=f"scenario(s), comma-separated: {', '.join(SCENARIOS)}; "
+                     "'faults' is every one but normal (default: all)")
     sim.add_argument("--policy", metavar="NAME|all",
                      help=f"policy(ies), comma-separated: {', '.join(POLICIES)} (default: all)")
     sim.add_argument("--seed", type=int, default=0, help="first seed (default 0)")

@@ -120,6 +120,8 @@ class VllmLeaseHolder:
         self._reqs_to_send: dict[str, float] = {}
         self._counts: dict[str, int] = {}
         self._released: list[str] = []
+        self.last_expired: tuple[str, ...] = ()
+        """The requests the last :meth:`get_finished` call freed because they expired."""
 
     def grant(self, now: float, request_id: str, *, ttl: float | None = None) -> float:
         """Hold ``request_id``'s blocks until ``now + ttl`` (default ``kv_lease_duration``).
@@ -169,6 +171,7 @@ class VllmLeaseHolder:
     def get_finished(self, now: float) -> list[str]:
         """This step's ``done_sending``: requests released by completions, then by the reaper."""
         done, self._released = self._released, []
+        released = len(done)
         if self.config.reaper == "head-stop":
             while self._reqs_to_send:
                 request_id, expires = next(iter(self._reqs_to_send.items()))
@@ -183,6 +186,7 @@ class VllmLeaseHolder:
                 if now >= expires:
                     self._expire(request_id)
                     done.append(request_id)
+        self.last_expired = tuple(done[released:])
         return done
 
     def _expire(self, request_id: str) -> None:

@@ -43,16 +43,16 @@ def holder_oracles(sim: Simulator, eng: EngineState) -> None:
                 and not eng.transports[rank].disturbed
             ):
                 sim.violate("safety", "S2 shortened",
-                             f"{eng.name} rank {rank} moved {hold.key[:18]}'s deadline "
-                             f"from {prev:.3f} back to {d:.3f}")
+                            f"{eng.name} rank {rank} moved {hold.key[:18]}'s deadline "
+                            f"from {prev:.3f} back to {d:.3f}")
             hold.deadlines[rank] = d
     for rank, tr in enumerate(eng.transports):
         tr.disturbed = False
         live = side.holder_live(rank)
         if live != counts[rank]:
             sim.violate("safety", "S3 resurrection",
-                         f"{eng.name} rank {rank} holds {live} leases, the engine "
-                         f"{counts[rank]} live holds")
+                        f"{eng.name} rank {rank} holds {live} leases, the engine "
+                        f"{counts[rank]} live holds")
 
 
 def bound_oracle(sim: Simulator, hold: Hold, rank: int) -> None:

@@ -395,8 +395,8 @@ class Simulator:
         """Act on everything the side reported, until it is quiet."""
         side = eng.side
         while fx := side.take():
-            for rank, key, expired in fx.freed:
-                flows.rank_freed(self, eng, rank, key, expired)
+            for rank, key, reason in fx.freed:
+                flows.rank_freed(self, eng, rank, key, reason)
             for key, reason in fx.failed:
                 req = self.reqs.get(key)
                 if req is not None and req.reader is eng and req.state.waiting_for_blocks:

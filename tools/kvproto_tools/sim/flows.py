@@ -101,7 +101,7 @@ def prefill_done(
     sim.reqs[req.key] = req
     reader = route(sim, sim.decode, a.decode)
     sim.note(f"{eng.name} granted {hold.key[:18]} ({hold.nblocks} blocks) for "
-              f"{reader.name if reader else 'nobody'}")
+             f"{reader.name if reader else 'nobody'}")
     if reader is None:
         lose(sim, req)
         return
@@ -109,14 +109,16 @@ def prefill_done(
     sim.at(sim.t + sim.settings.proxy_delay, lambda: reader_arrival(sim, req))
 
 
-def rank_freed(sim: Simulator, eng: EngineState, rank: int, key: str, expired: bool) -> None:
+def rank_freed(sim: Simulator, eng: EngineState, rank: int, key: str, reason: str) -> None:
+    """One holder rank freed its lease; the engine frees the blocks when every rank has."""
     hold = eng.holds.get(key)
     if hold is None or rank not in hold.ranks_live:
         sim.violate("safety", "S4 double free",
-                     f"{eng.name} rank {rank} freed {key[:18]} that it does not hold")
+                    f"{eng.name} rank {rank} freed {key[:18]} that it does not hold")
         return
     hold.ranks_live.discard(rank)
-    if expired:
+    hold.end_reason = reason
+    if reason == "expired" and sim.policy.name == "kvproto":
         checks.bound_oracle(sim, hold, rank)
     if not hold.ranks_live:
         end_hold(sim, hold, lost=False)
@@ -128,6 +130,8 @@ def end_hold(sim: Simulator, hold: Hold, *, lost: bool) -> None:
     t = sim.t
     hold.ended_at = t
     hold.lost = lost
+    if lost:
+        hold.end_reason = "lost"
     del eng.holds[hold.key]
     sim.open_holds -= 1
     held(sim, -hold.nblocks)
@@ -136,13 +140,13 @@ def end_hold(sim: Simulator, hold: Hold, *, lost: bool) -> None:
         bad = eng.pool.release(hold.blocks, hold)
         if bad:
             sim.violate("safety", "S4 double free",
-                         f"{eng.name} freed {bad} blocks of {hold.key[:18]} twice")
+                        f"{eng.name} freed {bad} blocks of {hold.key[:18]} twice")
         if hold.dead_since is None and req is not None and req.state.waiting_for_blocks:
             sim.metrics.premature_frees += 1
-            sim.note(f"{eng.name} freed {hold.key[:18]} while its reader "
-                      f"{req.reader.name if req.reader else '?'} still needs it (premature)")
+            sim.note(f"{eng.name} freed {hold.key[:18]} ({hold.end_reason}) while its reader "
+                     f"{req.reader.name if req.reader else '?'} still needs it (premature)")
         else:
-            sim.note(f"{eng.name} freed {hold.key[:18]}")
+            sim.note(f"{eng.name} freed {hold.key[:18]} ({hold.end_reason})")
     if hold.dead_since is not None:
         sim.metrics.dead_block_seconds += hold.nblocks * (t - hold.dead_since)
 
@@ -227,7 +231,7 @@ def copied(sim: Simulator, tr: SimTransport, read_id: ReadId) -> None:
     )
     if not rec.intact:
         sim.note(f"{tr.real.local_peer} copied {req.key[:18]} AFTER {hold.engine.name} "
-                  f"freed it")
+                 f"freed it")
     req.reads_copied += 1
     if req.reads_copied == len(req.reads) and req.state is ReqState.READING:
         mark_dead(hold, t)  # the data has moved: the holder's copy serves nobody now
@@ -252,12 +256,13 @@ def use(sim: Simulator, req: Req) -> None:
         sim.metrics.overlapped_reads += 1
         sim.violate(
             "safety", "S1 use after free",
-            f"{eng.name} used {req.key[:18]} read from {req.hold.engine.name} after it was "
-            f"freed at {req.hold.ended_at}" + (" (bytes differ)" if corrupted else ""),
+            f"{eng.name} used {req.key[:18]} read from {req.hold.engine.name} (granted at "
+            f"{req.hold.granted_at:.3f}) after it was freed at {req.hold.ended_at:.3f} "
+            f"({req.hold.end_reason})" + ("; the bytes differ" if corrupted else ""),
         )
     elif corrupted:
         sim.violate("safety", "S0 simulator",
-                     f"{req.key[:18]}: bytes differ though no free overlapped the read")
+                    f"{req.key[:18]}: bytes differ though no free overlapped the read")
     sim.note(f"{eng.name} uses {req.key[:18]}")
     resolve(sim, req)
 

@@ -68,6 +68,8 @@ class Hold:
     """When every rank freed (or the memory vanished with the engine)."""
     lost: bool = False
     """The holder engine died: the memory vanished rather than being freed."""
+    end_reason: str = ""
+    """Why the last rank freed it ("expired", "done", "aborted", ...; "lost" with the engine)."""
     dead_since: float | None = None
     """Since when no live reader will use the blocks (None: still needed, or unknown yet)."""
     deadlines: dict[int, float] = field(default_factory=dict)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from kvproto.config import LeaseConfig
 from kvproto.errors import LocalProtocolError, RemoteProtocolError
-from kvproto.events import ReadDeclined, ReleaseReason
+from kvproto.events import ReadDeclined
 from kvproto.holder import Holder
 from kvproto.reader import Reader
 from kvproto.ticket import LeaseTicket
@@ -82,8 +82,8 @@ class HandshakeAsk:
 class Effects:
     """What the engine must act on after a call into its side."""
 
-    freed: list[tuple[int, str, bool]] = field(default_factory=list)
-    """(holder rank, hold key, freed because it expired)."""
+    freed: list[tuple[int, str, str]] = field(default_factory=list)
+    """(holder rank, hold key, why: "expired", "done", "aborted", "revoked", ...)."""
     failed: list[tuple[str, str]] = field(default_factory=list)
     """(request key, reason): the reader cannot use the blocks."""
     usable: list[tuple[str, int]] = field(default_factory=list)
@@ -241,7 +241,7 @@ class KvprotoSide(Side):
     def _absorb(self, rank: int, res: StepResult) -> None:
         fx = self.effects
         for fb in res.freed:
-            fx.freed.append((rank, fb.request_id, fb.reason is ReleaseReason.EXPIRED))
+            fx.freed.append((rank, fb.request_id, fb.reason.name.lower().replace("_", "-")))
         for rf in res.failed:
             fx.failed.append((rf.request_id, rf.reason.value))
         for rid in res.confirmed:
@@ -386,8 +386,9 @@ class VllmSide(Side):
                 elif isinstance(ev, ReadFailed):
                     self._read_done(rank, ev.read_id, ok=False)
                 # PeerLost: vLLM v4 does nothing with it.
-            for key in self.holders[rank].get_finished(now):
-                fx.freed.append((rank, key, False))
+            holder = self.holders[rank]
+            for key in holder.get_finished(now):
+                fx.freed.append((rank, key, "expired" if key in holder.last_expired else "done"))
         meta = self.reader.build_meta(now)
         if meta is None:
             return
