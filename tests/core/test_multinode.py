@@ -204,3 +204,28 @@ def test_reader_bound_never_exceeds_true_deadline(  # noqa: PLR0917
         bound = net.reader("R").deadline_bound(net.local("R"), "t") - reader_offset
         true_deadline = h.deadline(ticket.lease) - holder_offset
         assert bound <= true_deadline + 1e-6 * (1 + abs(holder_offset) + abs(reader_offset))
+
+
+def test_losing_one_reader_rank_never_moves_the_deadline_earlier() -> None:
+    """S2 with two reader ranks: PeerLost of the rank that heartbeated last keeps its
+    renewal (the lease lives on through the other rank's session)."""
+    net = Net()
+    net.add_holder("P0")
+    net.add_reader("D0", rank=0, tp_size=2)
+    net.add_reader("D1", rank=1, tp_size=2)
+    ticket = net.grant("P0", "p-r")
+    net.track("D0", "r", ticket)
+    net.run_until(2.0)
+    net.track("D1", "r", ticket)  # D1 beats at 2, 7, 12 ...
+    net.run_until(13.0)
+    net.crash("D1")  # silent: its session lives until 12 + 20 = 32
+    net.run_until(21.0)  # D0's beat at 20: its session until 40
+    h = net.holder("P0")
+    assert h.deadline(ticket.lease) == 40.0
+    net.crash("D0")  # and the transport reports this one
+    h.peer_lost(net.local("P0"), "D0")
+    net.collect()
+    assert h.lease_state(ticket.lease) is LeaseState.HELD
+    assert h.deadline(ticket.lease) == 40.0  # not 32
+    net.run_until(100.0)
+    assert net.freed_leases() == [(40.0, ticket.lease, "EXPIRED")]

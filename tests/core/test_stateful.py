@@ -1,0 +1,410 @@
+"""A holder, an honest reader and a hostile second reader over a link that drops,
+duplicates and reorders, driven by hypothesis; the safety invariants are checked after
+every step (spec/invariants.md)."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvproto import wire
+from kvproto.config import LeaseConfig
+from kvproto.events import (
+    Connect,
+    FreeBlocks,
+    ReadConfirmed,
+    ReadGo,
+    ReleaseReason,
+    RequestFailed,
+    SendFrame,
+)
+from kvproto.holder import Holder
+from kvproto.reader import Reader
+from kvproto.states import LeaseState, ReadState
+from kvproto.ticket import LeaseTicket, claim_proof
+
+from .pair import counter_entropy
+
+CONFIG = LeaseConfig(
+    kv_lease_duration=30,
+    decoder_kv_blocks_ttl=60,
+    max_hold=90,  # small enough that max_hold is reached in a run
+    tombstone_ttl=40,
+    rate_limit_per_s=50.0,
+    rate_limit_burst=60.0,
+    max_notification_size=256,  # uccl's cap: splitting is exercised too
+)
+HOLDER, READER, HOSTILE = "P-agent", "D-agent", "X-agent"
+
+
+@dataclass
+class Transfer:
+    request_id: str
+    holder_rank: int
+    notify: bytes
+
+
+@dataclass
+class Tracked:
+    ticket: LeaseTicket
+    read_started: bool = False
+    completed: bool = False
+    ended: bool = False  # finished locally, failed or confirmed
+    overlapped: bool = False  # a FreeBlocks for its lease came before its transfer completed
+    transfers: list[Transfer] = field(default_factory=list)
+
+
+class LeaseMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0.0
+        self.holder = Holder(CONFIG, engine="P", incarnation=7, entropy=counter_entropy(10))
+        self.reader = Reader(CONFIG, engine="D", incarnation=9, entropy=counter_entropy(20))
+        self.link: list[tuple[str, str, bytes]] = []  # (src, dst, payload) in flight
+        self.sniffed: list[bytes] = []  # everything D sent, as an on-path observer sees it
+        self.tickets: dict[int, LeaseTicket] = {}
+        self.requests: dict[str, Tracked] = {}
+        self.freed: dict[int, tuple[float, ReleaseReason]] = {}
+        self.ever_terminal: dict[int, LeaseState] = {}
+        self.best_deadline: dict[int, float] = {}
+        self.confirmed: set[str] = set()
+        self.failed: set[str] = set()
+        self.n = 0
+        self.x_seq = 0
+        # The hostile engine has a session of its own from the start.
+        hello = wire.Hello(engine="X", rank=0, tp_size=1, incarnation=66, nonce=bytes(16))
+        self.holder.handle_frame(self.now, HOSTILE, wire.encode(hello))
+        self.collect()
+
+    # ------------------------------------------------------------ plumbing
+
+    def collect(self) -> None:
+        for _ in range(100):
+            moved = False
+            for out in self.holder.drain():
+                moved = True
+                if isinstance(out, SendFrame):
+                    if out.peer == READER:
+                        self.link.append((HOLDER, READER, out.payload))
+                elif isinstance(out, FreeBlocks):
+                    self.on_free(out)
+            for rout in self.reader.drain():
+                moved = True
+                if isinstance(rout, SendFrame):
+                    assert rout.peer == HOLDER
+                    assert len(rout.payload) <= 256, len(rout.payload)
+                    self.link.append((READER, HOLDER, rout.payload))
+                    self.sniffed.append(rout.payload)
+                elif isinstance(rout, Connect):
+                    self.reader.connected(self.now, engine=rout.engine, rank=rout.rank, peer=HOLDER)
+                elif isinstance(rout, RequestFailed):
+                    assert rout.request_id not in self.confirmed
+                    self.failed.add(rout.request_id)
+                    self.requests[rout.request_id].ended = True
+                elif isinstance(rout, ReadConfirmed):
+                    rid = rout.request_id
+                    req = self.requests[rid]
+                    assert not req.overlapped, f"{rid} confirmed though freed mid-read"
+                    assert req.completed, f"{rid} confirmed before its read completed"
+                    assert rid not in self.failed
+                    self.confirmed.add(rid)
+                    req.ended = True
+            if not moved:
+                return
+        raise AssertionError("outputs never settled")
+
+    def on_free(self, f: FreeBlocks) -> None:
+        assert f.lease not in self.freed, f"lease {f.lease} freed twice"
+        self.freed[f.lease] = (self.now, f.reason)
+        for rid, req in self.requests.items():
+            if req.ticket.lease == f.lease and not req.completed:
+                req.overlapped = True
+                if f.reason is ReleaseReason.EXPIRED and not req.ended:
+                    # The reader's conservative view never outlives the true expiry.
+                    assert self.reader.deadline_bound(self.now, rid) <= self.now + 1e-9
+
+    def deliver_frame(self, src: str, dst: str, payload: bytes) -> None:
+        if dst == HOLDER:
+            self.holder.handle_frame(self.now, src, payload)
+        else:
+            self.reader.handle_frame(self.now, src, payload)
+        self.collect()
+
+    # ------------------------------------------------------------ rules: lifecycle
+
+    @rule(ttl=st.sampled_from([None, None, 60.0]), track=st.booleans())
+    def grant(self, ttl: float | None, track: bool) -> None:
+        self.n += 1
+        ticket = self.holder.grant(self.now, request_id=f"p{self.n}", ttl=ttl)
+        self.tickets[ticket.lease] = ticket
+        if track:
+            rid = f"r{self.n}"
+            self.requests[rid] = Tracked(ticket)
+            self.reader.track(self.now, request_id=rid, ticket=ticket)
+        self.collect()
+
+    def _unread(self) -> list[str]:
+        return sorted(
+            rid for rid, r in self.requests.items() if not r.ended and not r.read_started
+        )
+
+    @precondition(lambda self: self._unread())
+    @rule(data=st.data())
+    def begin_read(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(self._unread()))
+        if not self.reader.ready_to_read(rid):
+            return
+        req = self.requests[rid]
+        req.read_started = True
+        result = self.reader.begin_read(self.now, rid)
+        if isinstance(result, ReadGo):
+            for order in result.orders:
+                req.transfers.append(Transfer(rid, order.holder_rank, order.notify))
+        self.collect()
+
+    def _in_flight(self) -> list[tuple[str, Transfer]]:
+        return [
+            (rid, t)
+            for rid, r in sorted(self.requests.items())
+            for t in r.transfers
+            if not r.completed
+        ]
+
+    @precondition(lambda self: self._in_flight())
+    @rule(data=st.data(), outcome=st.sampled_from(["done", "done", "done_lost", "failed"]))
+    def complete_transfer(self, data: st.DataObject, outcome: str) -> None:
+        rid, transfer = data.draw(st.sampled_from(self._in_flight()))
+        req = self.requests[rid]
+        req.completed = True
+        req.transfers.clear()
+        if outcome == "failed":
+            self.reader.read_failed(self.now, rid, transfer.holder_rank)
+        else:
+            if outcome == "done":  # the notification rides the READ: queued as it ends
+                self.link.append((READER, HOLDER, transfer.notify))
+                self.sniffed.append(transfer.notify)
+            self.reader.read_completed(self.now, rid, transfer.holder_rank)
+        self.collect()
+
+    @precondition(lambda self: any(not r.ended for r in self.requests.values()))
+    @rule(data=st.data())
+    def finish(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(k for k, r in self.requests.items() if not r.ended)))
+        req = self.requests[rid]
+        if req.read_started and not req.completed:
+            return  # the binding waits for an issued read before it drops the request
+        self.reader.finish(self.now, rid)
+        req.ended = True
+        self.collect()
+
+    @precondition(lambda self: any(not s.terminal for s in self._states().values()))
+    @rule(data=st.data(), really=st.integers(0, 3))
+    def revoke(self, data: st.DataObject, really: int) -> None:
+        if really:  # memory pressure is rarer than the rest
+            return
+        live = sorted(lease for lease, s in self._states().items() if not s.terminal)
+        self.holder.revoke(self.now, data.draw(st.sampled_from(live)))
+        self.collect()
+
+    @rule(side=st.sampled_from(["holder", "reader"]))
+    def peer_lost(self, side: str) -> None:
+        if side == "holder":
+            self.holder.peer_lost(self.now, READER)
+        else:
+            self.reader.peer_lost(self.now, HOLDER)
+        self.collect()
+
+    # ------------------------------------------------------------ rules: time
+
+    @rule(dt=st.sampled_from([0.01, 0.5, 1.0, 2.5, 5.0, 10.0, 21.0, 45.0]))
+    def advance(self, dt: float) -> None:
+        self.now += dt
+        self.holder.handle_timer(self.now)
+        self.collect()
+        self.reader.handle_timer(self.now)
+        self.collect()
+
+    @rule()
+    def next_timer_exactly(self) -> None:
+        due = [t for t in (self.holder.get_timer(), self.reader.get_timer()) if t is not None]
+        if not due:
+            return
+        self.now = max(self.now, min(due))
+        self.holder.handle_timer(self.now)
+        self.collect()
+        self.reader.handle_timer(self.now)
+        self.collect()
+
+    # ------------------------------------------------------------ rules: the link
+
+    @precondition(lambda self: self.link)
+    @rule(i=st.integers(0, 10_000))
+    def deliver(self, i: int) -> None:
+        self.deliver_frame(*self.link.pop(i % len(self.link)))
+
+    @precondition(lambda self: self.link)
+    @rule(i=st.integers(0, 10_000))
+    def deliver_in_order(self, i: int) -> None:
+        for _ in range(min(len(self.link), 1 + i % 8)):
+            self.deliver_frame(*self.link.pop(0))
+
+    @rule()
+    def settle(self) -> None:
+        """A quiet network: everything in flight arrives, in order, until nothing moves."""
+        for _ in range(200):
+            if not self.link:
+                return
+            self.deliver_frame(*self.link.pop(0))
+
+    @precondition(lambda self: self._unread())
+    @rule(data=st.data(), delay=st.sampled_from([0.0, 0.0, 1.0, 4.0, 30.0]))
+    def happy_read(self, data: st.DataObject, delay: float) -> None:
+        """Settle, read, complete after ``delay``, settle: the common path, so that
+        confirmations interleave with everything else."""
+        self.settle()
+        if not self._unread():
+            return
+        rid = data.draw(st.sampled_from(self._unread()))
+        if not self.reader.ready_to_read(rid):
+            return
+        req = self.requests[rid]
+        req.read_started = True
+        result = self.reader.begin_read(self.now, rid)
+        self.collect()
+        if not isinstance(result, ReadGo):
+            return
+        self.advance(delay)
+        if req.completed:
+            return
+        req.completed = True
+        for order in result.orders:
+            self.link.append((READER, HOLDER, order.notify))
+            self.reader.read_completed(self.now, rid, order.holder_rank)
+            self.collect()
+        self.settle()
+
+    @precondition(lambda self: self.link)
+    @rule(i=st.integers(0, 10_000))
+    def drop(self, i: int) -> None:
+        self.link.pop(i % len(self.link))
+
+    @precondition(lambda self: self.link)
+    @rule(i=st.integers(0, 10_000))
+    def duplicate(self, i: int) -> None:
+        self.link.append(self.link[i % len(self.link)])
+
+    # ------------------------------------------------------------ rules: hostile reader
+
+    @precondition(lambda self: self.tickets)
+    @rule(
+        data=st.data(),
+        kind=st.sampled_from(["claim", "abort", "done"]),
+        proof=st.sampled_from(["random", "sniffed", "own"]),
+    )
+    def hostile_forge(self, data: st.DataObject, kind: str, proof: str) -> None:
+        lease = data.draw(st.sampled_from(sorted(self.tickets)))
+        token = self.tickets[lease].token
+        value = {
+            "random": data.draw(st.binary(min_size=16, max_size=16)),
+            "sniffed": claim_proof(token, "D", lease),  # D's proof, bound to engine D
+            "own": claim_proof(bytes(16), "X", lease),  # a guess without the token
+        }[proof]
+        c = wire.Claim(lease=lease, proof=value)
+        if kind == "done":
+            msg: wire.Message = wire.Done(claim=c)
+        else:
+            self.x_seq += 1
+            msg = wire.Heartbeat(
+                seq=self.x_seq,
+                claims=[c] if kind == "claim" else [],
+                aborts=[c] if kind == "abort" else [],
+                count=0,
+                digest=0,
+            )
+        self.holder.handle_frame(self.now, HOSTILE, wire.encode(msg))
+        self.collect()
+
+    @precondition(lambda self: self.sniffed)
+    @rule(i=st.integers(0, 10_000))
+    def hostile_replay(self, i: int) -> None:
+        self.holder.handle_frame(self.now, HOSTILE, self.sniffed[i % len(self.sniffed)])
+        self.collect()
+
+    @rule(data=st.binary(max_size=64))
+    def hostile_garbage(self, data: bytes) -> None:
+        self.holder.handle_frame(self.now, HOSTILE, data)
+        self.reader.handle_frame(self.now, HOLDER, data)  # junk on the holder's channel too
+        self.collect()
+
+    # ------------------------------------------------------------ invariants
+
+    def _states(self) -> dict[int, LeaseState]:
+        out = {}
+        for lease in self.tickets:
+            state = self.holder.lease_state(lease)
+            if state is not None:
+                out[lease] = state
+        return out
+
+    @invariant()
+    def no_resurrection_and_one_free_per_lease(self) -> None:
+        for lease, state in self._states().items():
+            if lease in self.ever_terminal:
+                assert state is self.ever_terminal[lease], (lease, state)
+            elif state.terminal:
+                self.ever_terminal[lease] = state
+                assert lease in self.freed, f"lease {lease} ended without FreeBlocks"
+            else:
+                assert lease not in self.freed, f"lease {lease} freed but {state}"
+
+    @invariant()
+    def deadlines_never_decrease(self) -> None:
+        for lease, state in self._states().items():
+            if state.terminal:
+                continue
+            d = self.holder.deadline(lease)
+            assert d >= self.best_deadline.get(lease, -math.inf), (lease, d)
+            self.best_deadline[lease] = d
+            assert d > self.now or self.holder.get_timer() is not None
+
+    @invariant()
+    def live_gauge_matches(self) -> None:
+        states = list(self._states().values())
+        snap = self.holder.stats_snapshot()
+        assert self.holder.live_leases() == sum(not s.terminal for s in states)
+        assert snap["leases_granted"] == sum(s is LeaseState.GRANTED for s in states)
+        assert snap["leases_held"] == sum(s is LeaseState.HELD for s in states)
+        assert self.holder.live_leases() == snap["leases_granted"] + snap["leases_held"]
+
+    @invariant()
+    def reader_bound_below_true_deadline(self) -> None:
+        for rid, req in self.requests.items():
+            if req.ended:
+                continue
+            state = self.holder.lease_state(req.ticket.lease)
+            if state is None or state.terminal:
+                continue
+            if ReadState.FAILED in self.reader.state(rid).values():
+                continue
+            bound = self.reader.deadline_bound(self.now, rid)
+            assert bound <= self.holder.deadline(req.ticket.lease) + 1e-9, rid
+
+    @invariant()
+    def confirmed_reads_never_overlapped_a_free(self) -> None:
+        for rid in self.confirmed:
+            assert not self.requests[rid].overlapped
+
+
+LeaseMachine.TestCase.settings = settings(
+    # KVPROTO_STATEFUL_EXAMPLES=5000 for a long bug hunt; the default keeps CI fast.
+    max_examples=int(os.environ.get("KVPROTO_STATEFUL_EXAMPLES", "80")),
+    stateful_step_count=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestLeaseMachine = LeaseMachine.TestCase
