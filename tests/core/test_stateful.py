@@ -39,12 +39,13 @@ CONFIG = LeaseConfig(
     rate_limit_burst=60.0,
     max_notification_size=256,  # uccl's cap: splitting is exercised too
 )
-HOLDER, READER, HOSTILE = "P-agent", "D-agent", "X-agent"
+HOLDER, HOSTILE = "P-agent", "X-agent"
+Key = tuple[str, str]
+"""(reader peer, request id): one request as seen by one reader rank."""
 
 
 @dataclass
 class Transfer:
-    request_id: str
     holder_rank: int
     notify: bytes
 
@@ -60,20 +61,34 @@ class Tracked:
 
 
 class LeaseMachine(RuleBasedStateMachine):
+    """One holder rank, ``READER_TP`` honest reader ranks of engine D, a hostile engine X."""
+
+    READER_TP = 1
+
     def __init__(self) -> None:
         super().__init__()
         self.now = 0.0
         self.holder = Holder(CONFIG, engine="P", incarnation=7, entropy=counter_entropy(10))
-        self.reader = Reader(CONFIG, engine="D", incarnation=9, entropy=counter_entropy(20))
+        self.readers = {
+            f"D{rank}-agent": Reader(
+                CONFIG,
+                engine="D",
+                incarnation=9,
+                rank=rank,
+                tp_size=self.READER_TP,
+                entropy=counter_entropy(20 + rank),
+            )
+            for rank in range(self.READER_TP)
+        }
         self.link: list[tuple[str, str, bytes]] = []  # (src, dst, payload) in flight
         self.sniffed: list[bytes] = []  # everything D sent, as an on-path observer sees it
         self.tickets: dict[int, LeaseTicket] = {}
-        self.requests: dict[str, Tracked] = {}
+        self.requests: dict[Key, Tracked] = {}
         self.freed: dict[int, tuple[float, ReleaseReason]] = {}
         self.ever_terminal: dict[int, LeaseState] = {}
         self.best_deadline: dict[int, float] = {}
-        self.confirmed: set[str] = set()
-        self.failed: set[str] = set()
+        self.confirmed: set[Key] = set()
+        self.failed: set[Key] = set()
         self.n = 0
         self.x_seq = 0
         # The hostile engine has a session of its own from the start.
@@ -89,50 +104,56 @@ class LeaseMachine(RuleBasedStateMachine):
             for out in self.holder.drain():
                 moved = True
                 if isinstance(out, SendFrame):
-                    if out.peer == READER:
-                        self.link.append((HOLDER, READER, out.payload))
+                    if out.peer in self.readers:
+                        self.link.append((HOLDER, out.peer, out.payload))
                 elif isinstance(out, FreeBlocks):
                     self.on_free(out)
-            for rout in self.reader.drain():
-                moved = True
-                if isinstance(rout, SendFrame):
-                    assert rout.peer == HOLDER
-                    assert len(rout.payload) <= 256, len(rout.payload)
-                    self.link.append((READER, HOLDER, rout.payload))
-                    self.sniffed.append(rout.payload)
-                elif isinstance(rout, Connect):
-                    self.reader.connected(self.now, engine=rout.engine, rank=rout.rank, peer=HOLDER)
-                elif isinstance(rout, RequestFailed):
-                    assert rout.request_id not in self.confirmed
-                    self.failed.add(rout.request_id)
-                    self.requests[rout.request_id].ended = True
-                elif isinstance(rout, ReadConfirmed):
-                    rid = rout.request_id
-                    req = self.requests[rid]
-                    assert not req.overlapped, f"{rid} confirmed though freed mid-read"
-                    assert req.completed, f"{rid} confirmed before its read completed"
-                    assert rid not in self.failed
-                    self.confirmed.add(rid)
-                    req.ended = True
+            for peer, reader in self.readers.items():
+                for rout in reader.drain():
+                    moved = True
+                    self.on_reader_output(peer, reader, rout)
             if not moved:
                 return
         raise AssertionError("outputs never settled")
 
+    def on_reader_output(self, peer: str, reader: Reader, rout: object) -> None:
+        if isinstance(rout, SendFrame):
+            assert rout.peer == HOLDER
+            assert len(rout.payload) <= 256, len(rout.payload)
+            self.link.append((peer, HOLDER, rout.payload))
+            self.sniffed.append(rout.payload)
+        elif isinstance(rout, Connect):
+            reader.connected(self.now, engine=rout.engine, rank=rout.rank, peer=HOLDER)
+        elif isinstance(rout, RequestFailed):
+            key = (peer, rout.request_id)
+            assert key not in self.confirmed
+            self.failed.add(key)
+            self.requests[key].ended = True
+        elif isinstance(rout, ReadConfirmed):
+            key = (peer, rout.request_id)
+            req = self.requests[key]
+            assert not req.overlapped, f"{key} confirmed though freed mid-read"
+            assert req.completed, f"{key} confirmed before its read completed"
+            assert key not in self.failed
+            self.confirmed.add(key)
+            req.ended = True
+
     def on_free(self, f: FreeBlocks) -> None:
         assert f.lease not in self.freed, f"lease {f.lease} freed twice"
         self.freed[f.lease] = (self.now, f.reason)
-        for rid, req in self.requests.items():
+        for (peer, rid), req in self.requests.items():
             if req.ticket.lease == f.lease and not req.completed:
                 req.overlapped = True
                 if f.reason is ReleaseReason.EXPIRED and not req.ended:
                     # The reader's conservative view never outlives the true expiry.
-                    assert self.reader.deadline_bound(self.now, rid) <= self.now + 1e-9
+                    bound = self.readers[peer].deadline_bound(self.now, rid)
+                    assert bound <= self.now + 1e-9, (peer, rid, bound)
 
     def deliver_frame(self, src: str, dst: str, payload: bytes) -> None:
         if dst == HOLDER:
             self.holder.handle_frame(self.now, src, payload)
         else:
-            self.reader.handle_frame(self.now, src, payload)
+            self.readers[dst].handle_frame(self.now, src, payload)
         self.collect()
 
     # ------------------------------------------------------------ rules: lifecycle
@@ -144,61 +165,64 @@ class LeaseMachine(RuleBasedStateMachine):
         self.tickets[ticket.lease] = ticket
         if track:
             rid = f"r{self.n}"
-            self.requests[rid] = Tracked(ticket)
-            self.reader.track(self.now, request_id=rid, ticket=ticket)
+            for peer, reader in self.readers.items():
+                self.requests[(peer, rid)] = Tracked(ticket)
+                reader.track(self.now, request_id=rid, ticket=ticket)
         self.collect()
 
-    def _unread(self) -> list[str]:
-        return sorted(
-            rid for rid, r in self.requests.items() if not r.ended and not r.read_started
-        )
+    def _unread(self) -> list[Key]:
+        return sorted(k for k, r in self.requests.items() if not r.ended and not r.read_started)
+
+    def _start(self, key: Key) -> ReadGo | None:
+        peer, rid = key
+        reader = self.readers[peer]
+        if not reader.ready_to_read(rid):
+            return None
+        req = self.requests[key]
+        req.read_started = True
+        result = reader.begin_read(self.now, rid)
+        self.collect()
+        return result if isinstance(result, ReadGo) else None
 
     @precondition(lambda self: self._unread())
     @rule(data=st.data())
     def begin_read(self, data: st.DataObject) -> None:
-        rid = data.draw(st.sampled_from(self._unread()))
-        if not self.reader.ready_to_read(rid):
-            return
-        req = self.requests[rid]
-        req.read_started = True
-        result = self.reader.begin_read(self.now, rid)
-        if isinstance(result, ReadGo):
-            for order in result.orders:
-                req.transfers.append(Transfer(rid, order.holder_rank, order.notify))
-        self.collect()
+        key = data.draw(st.sampled_from(self._unread()))
+        go = self._start(key)
+        if go is not None:
+            self.requests[key].transfers = [Transfer(o.holder_rank, o.notify) for o in go.orders]
 
-    def _in_flight(self) -> list[tuple[str, Transfer]]:
-        return [
-            (rid, t)
-            for rid, r in sorted(self.requests.items())
-            for t in r.transfers
-            if not r.completed
-        ]
+    def _in_flight(self) -> list[Key]:
+        return sorted(k for k, r in self.requests.items() if r.transfers and not r.completed)
+
+    def _complete(self, key: Key, outcome: str) -> None:
+        peer, rid = key
+        req = self.requests[key]
+        req.completed = True
+        transfers, req.transfers = req.transfers, []
+        for transfer in transfers:
+            if outcome == "failed":
+                self.readers[peer].read_failed(self.now, rid, transfer.holder_rank)
+            else:
+                if outcome == "done":  # the notification rides the READ: queued as it ends
+                    self.link.append((peer, HOLDER, transfer.notify))
+                    self.sniffed.append(transfer.notify)
+                self.readers[peer].read_completed(self.now, rid, transfer.holder_rank)
+            self.collect()
 
     @precondition(lambda self: self._in_flight())
     @rule(data=st.data(), outcome=st.sampled_from(["done", "done", "done_lost", "failed"]))
     def complete_transfer(self, data: st.DataObject, outcome: str) -> None:
-        rid, transfer = data.draw(st.sampled_from(self._in_flight()))
-        req = self.requests[rid]
-        req.completed = True
-        req.transfers.clear()
-        if outcome == "failed":
-            self.reader.read_failed(self.now, rid, transfer.holder_rank)
-        else:
-            if outcome == "done":  # the notification rides the READ: queued as it ends
-                self.link.append((READER, HOLDER, transfer.notify))
-                self.sniffed.append(transfer.notify)
-            self.reader.read_completed(self.now, rid, transfer.holder_rank)
-        self.collect()
+        self._complete(data.draw(st.sampled_from(self._in_flight())), outcome)
 
     @precondition(lambda self: any(not r.ended for r in self.requests.values()))
     @rule(data=st.data())
     def finish(self, data: st.DataObject) -> None:
-        rid = data.draw(st.sampled_from(sorted(k for k, r in self.requests.items() if not r.ended)))
-        req = self.requests[rid]
+        key = data.draw(st.sampled_from(sorted(k for k, r in self.requests.items() if not r.ended)))
+        req = self.requests[key]
         if req.read_started and not req.completed:
             return  # the binding waits for an issued read before it drops the request
-        self.reader.finish(self.now, rid)
+        self.readers[key[0]].finish(self.now, key[1])
         req.ended = True
         self.collect()
 
@@ -211,34 +235,36 @@ class LeaseMachine(RuleBasedStateMachine):
         self.holder.revoke(self.now, data.draw(st.sampled_from(live)))
         self.collect()
 
-    @rule(side=st.sampled_from(["holder", "reader"]))
-    def peer_lost(self, side: str) -> None:
+    @rule(data=st.data(), side=st.sampled_from(["holder", "reader"]))
+    def peer_lost(self, data: st.DataObject, side: str) -> None:
+        peer = data.draw(st.sampled_from(sorted(self.readers)))
         if side == "holder":
-            self.holder.peer_lost(self.now, READER)
+            self.holder.peer_lost(self.now, peer)
         else:
-            self.reader.peer_lost(self.now, HOLDER)
+            self.readers[peer].peer_lost(self.now, HOLDER)
         self.collect()
 
     # ------------------------------------------------------------ rules: time
 
+    def _timers(self) -> None:
+        self.holder.handle_timer(self.now)
+        self.collect()
+        for reader in self.readers.values():
+            reader.handle_timer(self.now)
+            self.collect()
+
     @rule(dt=st.sampled_from([0.01, 0.5, 1.0, 2.5, 5.0, 10.0, 21.0, 45.0]))
     def advance(self, dt: float) -> None:
         self.now += dt
-        self.holder.handle_timer(self.now)
-        self.collect()
-        self.reader.handle_timer(self.now)
-        self.collect()
+        self._timers()
 
     @rule()
     def next_timer_exactly(self) -> None:
-        due = [t for t in (self.holder.get_timer(), self.reader.get_timer()) if t is not None]
-        if not due:
-            return
-        self.now = max(self.now, min(due))
-        self.holder.handle_timer(self.now)
-        self.collect()
-        self.reader.handle_timer(self.now)
-        self.collect()
+        cores: list[Holder | Reader] = [self.holder, *self.readers.values()]
+        due = [t for t in (c.get_timer() for c in cores) if t is not None]
+        if due:
+            self.now = max(self.now, min(due))
+            self._timers()
 
     # ------------------------------------------------------------ rules: the link
 
@@ -256,7 +282,7 @@ class LeaseMachine(RuleBasedStateMachine):
     @rule()
     def settle(self) -> None:
         """A quiet network: everything in flight arrives, in order, until nothing moves."""
-        for _ in range(200):
+        for _ in range(400):
             if not self.link:
                 return
             self.deliver_frame(*self.link.pop(0))
@@ -269,23 +295,14 @@ class LeaseMachine(RuleBasedStateMachine):
         self.settle()
         if not self._unread():
             return
-        rid = data.draw(st.sampled_from(self._unread()))
-        if not self.reader.ready_to_read(rid):
+        key = data.draw(st.sampled_from(self._unread()))
+        go = self._start(key)
+        if go is None:
             return
-        req = self.requests[rid]
-        req.read_started = True
-        result = self.reader.begin_read(self.now, rid)
-        self.collect()
-        if not isinstance(result, ReadGo):
-            return
+        self.requests[key].transfers = [Transfer(o.holder_rank, o.notify) for o in go.orders]
         self.advance(delay)
-        if req.completed:
-            return
-        req.completed = True
-        for order in result.orders:
-            self.link.append((READER, HOLDER, order.notify))
-            self.reader.read_completed(self.now, rid, order.holder_rank)
-            self.collect()
+        if not self.requests[key].completed:
+            self._complete(key, "done")
         self.settle()
 
     @precondition(lambda self: self.link)
@@ -308,10 +325,11 @@ class LeaseMachine(RuleBasedStateMachine):
     )
     def hostile_forge(self, data: st.DataObject, kind: str, proof: str) -> None:
         lease = data.draw(st.sampled_from(sorted(self.tickets)))
-        token = self.tickets[lease].token
+        seen = self._sniffed_proofs().get(lease)
         value = {
             "random": data.draw(st.binary(min_size=16, max_size=16)),
-            "sniffed": claim_proof(token, "D", lease),  # D's proof, bound to engine D
+            # D's proof, bound to engine D, if D ever sent it (X never sees the token).
+            "sniffed": seen or data.draw(st.binary(min_size=16, max_size=16)),
             "own": claim_proof(bytes(16), "X", lease),  # a guess without the token
         }[proof]
         c = wire.Claim(lease=lease, proof=value)
@@ -329,6 +347,20 @@ class LeaseMachine(RuleBasedStateMachine):
         self.holder.handle_frame(self.now, HOSTILE, wire.encode(msg))
         self.collect()
 
+    def _sniffed_proofs(self) -> dict[int, bytes]:
+        proofs: dict[int, bytes] = {}
+        for payload in self.sniffed:
+            msg = wire.decode(payload)
+            claims = (
+                [msg.claim]
+                if isinstance(msg, wire.Done)
+                else [*msg.claims, *msg.aborts]
+                if isinstance(msg, wire.Heartbeat)
+                else []
+            )
+            proofs.update((c.lease, c.proof) for c in claims)
+        return proofs
+
     @precondition(lambda self: self.sniffed)
     @rule(i=st.integers(0, 10_000))
     def hostile_replay(self, i: int) -> None:
@@ -338,7 +370,8 @@ class LeaseMachine(RuleBasedStateMachine):
     @rule(data=st.binary(max_size=64))
     def hostile_garbage(self, data: bytes) -> None:
         self.holder.handle_frame(self.now, HOSTILE, data)
-        self.reader.handle_frame(self.now, HOLDER, data)  # junk on the holder's channel too
+        for reader in self.readers.values():
+            reader.handle_frame(self.now, HOLDER, data)  # junk on the holder's channel too
         self.collect()
 
     # ------------------------------------------------------------ invariants
@@ -383,28 +416,50 @@ class LeaseMachine(RuleBasedStateMachine):
 
     @invariant()
     def reader_bound_below_true_deadline(self) -> None:
-        for rid, req in self.requests.items():
+        for (peer, rid), req in self.requests.items():
             if req.ended:
                 continue
             state = self.holder.lease_state(req.ticket.lease)
             if state is None or state.terminal:
                 continue
-            if ReadState.FAILED in self.reader.state(rid).values():
+            reader = self.readers[peer]
+            if ReadState.FAILED in reader.state(rid).values():
                 continue
-            bound = self.reader.deadline_bound(self.now, rid)
-            assert bound <= self.holder.deadline(req.ticket.lease) + 1e-9, rid
+            bound = reader.deadline_bound(self.now, rid)
+            assert bound <= self.holder.deadline(req.ticket.lease) + 1e-9, (peer, rid)
 
     @invariant()
     def confirmed_reads_never_overlapped_a_free(self) -> None:
-        for rid in self.confirmed:
-            assert not self.requests[rid].overlapped
+        for key in self.confirmed:
+            assert not self.requests[key].overlapped
+
+    @invariant()
+    def released_only_after_every_consumer(self) -> None:
+        """S5: DONE needs a completed read from every reader rank (TP layouts at Hello)."""
+        for lease, (_, reason) in self.freed.items():
+            if reason is ReleaseReason.DONE:
+                readers = [r for (_, _), r in self.requests.items() if r.ticket.lease == lease]
+                assert len(readers) == self.READER_TP
+                assert all(r.completed for r in readers), lease
 
 
-LeaseMachine.TestCase.settings = settings(
-    # KVPROTO_STATEFUL_EXAMPLES=5000 for a long bug hunt; the default keeps CI fast.
-    max_examples=int(os.environ.get("KVPROTO_STATEFUL_EXAMPLES", "80")),
-    stateful_step_count=60,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+SETTINGS = {
+    "stateful_step_count": 60,
+    "deadline": None,
+    "suppress_health_check": [HealthCheck.too_slow, HealthCheck.filter_too_much],
+}
+# KVPROTO_STATEFUL_EXAMPLES=5000 for a long bug hunt; the default keeps CI fast.
+EXAMPLES = int(os.environ.get("KVPROTO_STATEFUL_EXAMPLES", "80"))
+LeaseMachine.TestCase.settings = settings(max_examples=EXAMPLES, **SETTINGS)
 TestLeaseMachine = LeaseMachine.TestCase
+
+
+class TwoReaderRanksMachine(LeaseMachine):
+    """Holder TP 1, reader TP 2: every lease needs two distinct consumers, and is held
+    by two sessions of one engine (partial dones, one rank lost, duplicates)."""
+
+    READER_TP = 2
+
+
+TwoReaderRanksMachine.TestCase.settings = settings(max_examples=EXAMPLES // 2, **SETTINGS)
+TestTwoReaderRanksMachine = TwoReaderRanksMachine.TestCase
