@@ -312,10 +312,15 @@ class Reader:
             return
         if isinstance(msg, wire.Welcome):
             self._on_welcome(now, session, msg)
-        elif isinstance(msg, wire.Reject) and session.state is SessionState.HELLO_SENT:
+        elif (
+            isinstance(msg, wire.Reject)
+            and session.state is SessionState.HELLO_SENT
+            and msg.reason != wire.RejectReason.NO_SESSION
+        ):
             # The holder refused our Hello (too many sessions, TP layouts that do not
             # fit): without this the reader re-sent Hello forever and its requests
-            # waited for a read that could never start.
+            # waited for a read that could never start. (NO_SESSION here only answers
+            # a heartbeat sent before our Hello: we are saying Hello already.)
             self._on_reject(now, session, msg)
         elif session.state is not SessionState.OPEN:
             self.stats.unexpected_frames += 1
