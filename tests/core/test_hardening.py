@@ -431,3 +431,22 @@ def test_holder_never_raises_on_any_attack_frame() -> None:
     for i, data in enumerate(attacks):
         h.handle_frame(float(i), "evil", data)
     assert h.lease_state(ticket.lease) in (LeaseState.GRANTED, LeaseState.HELD)
+
+
+def test_a_burst_of_rejects_after_a_holder_restart_costs_one_hello() -> None:
+    """A split batch meets a restarted holder: every frame is rejected; the reader says
+    Hello once, not once per Reject (each new Hello would void the Welcome in flight)."""
+    net = Net(LeaseConfig(max_notification_size=256))
+    net.add_holder("P0")
+    net.add_reader("D0")
+    net.default_faults = LinkFaults(latency=0.1)
+    for i in range(3):
+        net.track("D0", f"r{i}", net.grant("P0", f"p{i}"))
+    net.run_until(6.0)
+    for i in range(3, 30):  # a burst: the next heartbeat is split into several frames
+        net.track("D0", f"r{i}", net.grant("P0", f"p{i}"))
+    net.nodes["P0"].core = Holder(net.config, engine="P", incarnation=8)  # restarts
+    net.run_until(20.0)
+    assert len(net.arrivals("P0", "D0", wire.Reject)) >= 3
+    assert len(net.arrivals("D0", "P0", wire.Hello)) == 2  # the first one, and one after
+    assert net.reader("D0").session_state("P", 0) is SessionState.OPEN
