@@ -163,3 +163,23 @@ def test_close_leaves_no_file_descriptors(make: Callable[..., UcxTransport]) -> 
         x.close()
         y.close()
     assert fds() <= before
+
+
+def test_a_crashed_engine_reports_its_peers_lost_and_refuses_calls(
+    make: Callable[..., UcxTransport],
+) -> None:
+    from kvproto.transport import PeerLost
+
+    a, b = make(), make()
+    pb = a.add_peer(b.metadata())
+    a.send(pb, b"warm")
+    assert _until(b, bool)
+
+    def boom() -> None:
+        raise RuntimeError("injected fault")
+
+    a._engine._receive = boom  # type: ignore[method-assign]  # its next loop dies
+    got = _until(a, lambda evs: any(isinstance(e, PeerLost) for e in evs))
+    assert [e.peer for e in got if isinstance(e, PeerLost)] == [pb]
+    with pytest.raises(TransportClosed, match="engine crashed"):
+        a.send(pb, b"after the crash")

@@ -74,6 +74,9 @@ TCP only by default: it runs on any host, and a peer's death is seen through
 its TCP connection. Pass ``ucx_options={"TLS": "all"}`` (or set ``UCX_TLS``)
 to let UCX pick shared memory, RDMA or CUDA transports."""
 
+PROGRESS_BURST = 256
+"""Most ``progress`` calls per loop iteration while UCX keeps finding work."""
+
 CLOSE_PERIOD_NS = 1_000_000_000
 """Bound passed to ucxx ``close_blocking`` (it applies with a progress thread only)."""
 
@@ -198,8 +201,12 @@ class Engine:
         self._started.set_result(address)
         try:
             self._loop()
-        except Exception:
+        except Exception as exc:
             log.exception("UCX engine of %s crashed", self._cfg.local_peer)
+            # Nothing moves any more: say so, and tell the binding every peer is gone.
+            self._shared.fail(f"UCX engine crashed: {type(exc).__name__}: {exc}")
+            for peer in list(self._conns):
+                self._report_lost(peer, "local UCX engine crashed")
         finally:
             self._teardown()
 
@@ -227,7 +234,12 @@ class Engine:
                 self._run(self._commands.popleft())
             if self._stopping:
                 return
-            self._worker.progress()
+            # Drain what UCX has before the Python-level bookkeeping: a read over
+            # TCP arrives as many fragments, and one loop iteration per fragment
+            # cost several times the transfer itself (measured).
+            for _ in range(PROGRESS_BURST):
+                if not self._worker.progress_once():
+                    break
             self._receive()
             now = time.monotonic()
             for conn in list(self._conns.values()):

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvproto.errors import LocalProtocolError
-from kvproto.tpmath import BlockLayout, BlockSlice, descriptor_ids
+from kvproto.tpmath import BlockLayout, BlockSlice
 from kvproto.transport import MemoryNotRegistered
 
 from .errors import LayoutMismatch
@@ -53,12 +53,13 @@ def plan_read(
         )
     if local.num_regions != remote.num_regions:
         raise LayoutMismatch(f"{local.num_regions} local regions, {remote.num_regions} remote")
-    try:
-        # Range checks only: raises for a block outside either layout.
-        descriptor_ids(local_blocks, local.num_regions, local.num_blocks)
-        descriptor_ids(remote_blocks, remote.num_regions, remote.num_blocks)
-    except LocalProtocolError as exc:
-        raise MemoryNotRegistered(str(exc)) from exc
+    # tpmath.descriptor_ids' range rule (0 <= block < num_blocks), without
+    # building the id lists: UCX works on addresses, not descriptor ids.
+    for side, blocks, layout in (("local", local_blocks, local), ("remote", remote_blocks, remote)):
+        if blocks and (min(blocks) < 0 or max(blocks) >= layout.num_blocks):
+            raise MemoryNotRegistered(
+                f"{side} block outside 0..{layout.num_blocks - 1}: {sorted(set(blocks))[:8]}"
+            )
     out: list[Segment] = []
     for region in range(local.num_regions):
         llen, rlen = local.block_lens[region], remote.block_lens[region]
@@ -72,31 +73,17 @@ def plan_read(
                 f"region {region}: local slice of {llen} bytes/{local_slice.parts} "
                 f"!= remote slice of {rlen} bytes/{remote_slice.parts}"
             )
-        lbase, rbase = local.region_addrs[region], remote.region_addrs[region]
+        lbase, rbase = local.region_addrs[region] + loff, remote.region_addrs[region] + roff
+        run_l = run_r = run_n = -1
         for lb, rb in zip(local_blocks, remote_blocks, strict=True):
-            seg = Segment(
-                region=region,
-                local_addr=lbase + lb * llen + loff,
-                remote_addr=rbase + rb * rlen + roff,
-                length=length,
-            )
-            _append_merged(out, seg)
+            la, ra = lbase + lb * llen, rbase + rb * rlen
+            if run_n > 0 and run_l + run_n == la and run_r + run_n == ra:
+                run_n += length  # contiguous on both sides: extend the run
+                continue
+            if run_n > 0:
+                out.append(Segment(region=region, local_addr=run_l, remote_addr=run_r,
+                                   length=run_n))
+            run_l, run_r, run_n = la, ra, length
+        if run_n > 0:
+            out.append(Segment(region=region, local_addr=run_l, remote_addr=run_r, length=run_n))
     return out
-
-
-def _append_merged(out: list[Segment], seg: Segment) -> None:
-    if out:
-        last = out[-1]
-        if (
-            last.region == seg.region
-            and last.local_addr + last.length == seg.local_addr
-            and last.remote_addr + last.length == seg.remote_addr
-        ):
-            out[-1] = Segment(
-                region=seg.region,
-                local_addr=last.local_addr,
-                remote_addr=last.remote_addr,
-                length=last.length + seg.length,
-            )
-            return
-    out.append(seg)

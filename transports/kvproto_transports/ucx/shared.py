@@ -55,9 +55,16 @@ class Shared:
         self.stats = UcxStats()
         """Written by the engine under :attr:`lock`."""
         self.lock = threading.Lock()
+        self.failed: str | None = None
+        """Set by the engine if its thread died: the endpoint can do nothing more."""
         self._lost: dict[PeerId, str] = {}
         self._pending_sends = 0
         self._max_pending = max_pending_sends
+
+    def fail(self, reason: str) -> None:
+        """Engine: its thread is ending abnormally."""
+        with self.lock:
+            self.failed = reason
 
     def lost_reason(self, peer: PeerId) -> str | None:
         """Why ``peer`` was reported lost, or None."""

@@ -277,9 +277,13 @@ class UcxTransport:
             self._engine.submit(Send(peer=peer, payload=data))
 
     def poll(self) -> Sequence[TransportEvent]:
-        """What happened since the last call; never blocks."""
+        """What happened since the last call; never blocks.
+
+        Still works after the engine thread died, so that its last PeerLost
+        events reach the binding; every other call then raises TransportClosed.
+        """
         with self._lock:
-            self._check()
+            self._check(failed_ok=True)
         events = self._shared.events
         out: list[TransportEvent] = []
         while True:
@@ -372,6 +376,8 @@ class UcxTransport:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _check(self) -> None:
+    def _check(self, *, failed_ok: bool = False) -> None:
         if self._closed:
             raise TransportClosed(f"UcxTransport {self._name} is closed")
+        if self._shared.failed is not None and not failed_ok:
+            raise TransportClosed(f"UcxTransport {self._name}: {self._shared.failed}")

@@ -1,0 +1,285 @@
+"""What UcxTransport costs on top of raw UCX calls, measured side by side in one run.
+
+:func:`measure_overhead` mirrors the NIXL transport's (same parameters, same
+result keys), so the bench can print both in one table:
+
+* ``notif_rtt_*``: A sends a notification, B polls until it has it and
+  answers, A polls until it has the answer;
+* ``read_*``: a read of ``blocks`` blocks of every region (the tail of the
+  holder's blocks into the head of the reader's: a partial prefix hit) with a
+  notification attached, from post to the reader seeing completion.
+
+``*_raw`` is the floor: two bare ucxx workers in this thread, tagged messages
+and UCP ``get`` through :mod:`._ucp`, progressed by busy polling.
+``*_transport`` is two :class:`UcxTransport` endpoints, each with its engine
+thread, polled from this thread as a binding would. Both run over TCP on
+localhost (the transport's default); variants alternate iteration by
+iteration so that machine noise hits both alike.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kvproto.tpmath import BlockLayout
+from kvproto.transport import ReadCompleted, ReadFailed, Received, TransportEvent
+
+from ._ucp import UCS_INPROGRESS, UCS_OK, Ucp, load_ucp
+from ._ucxx import load_ucxx
+from .engine import DEFAULT_UCX_OPTIONS
+from .plan import plan_read
+from .transport import UcxTransport
+
+POLL_PAUSE_S = 20e-6
+"""Sleep between two polls of a transport while waiting (releases the GIL)."""
+
+
+def _layout(mem: np.ndarray, regions: int, num_blocks: int, block_len: int) -> BlockLayout:
+    base = mem.ctypes.data
+    return BlockLayout(
+        region_addrs=tuple(base + r * num_blocks * block_len for r in range(regions)),
+        block_lens=(block_len,) * regions,
+        num_blocks=num_blocks,
+    )
+
+
+def _summary(samples_s: list[float]) -> dict[str, float]:
+    us = sorted(s * 1e6 for s in samples_s)
+    return {
+        "median_us": statistics.median(us),
+        "p10_us": us[len(us) // 10],
+        "p90_us": us[(len(us) * 9) // 10],
+        "mean_us": statistics.fmean(us),
+    }
+
+
+def _spin(cond: Callable[[], bool], timeout_s: float, what: str, pause_s: float = 0.0) -> None:
+    deadline = time.perf_counter() + timeout_s
+    while not cond():
+        if time.perf_counter() > deadline:
+            raise TimeoutError(f"{what} took over {timeout_s} s")
+        if pause_s:
+            time.sleep(pause_s)
+
+
+class _Raw:
+    """Two bare ucxx workers progressed by this thread: the floor."""
+
+    def __init__(self, holder: BlockLayout, reader: BlockLayout, timeout_s: float) -> None:
+        self.api, self.array = load_ucxx()
+        self.ucp: Ucp = load_ucp()
+        api = self.api
+        feats = (api.Feature.TAG, api.Feature.RMA)
+        self.ctx = [api.UCXContext(dict(DEFAULT_UCX_OPTIONS), feature_flags=feats)
+                    for _ in range(2)]
+        self.w = [api.UCXWorker(c) for c in self.ctx]
+        self.ep = [
+            api.UCXEndpoint.create_from_worker_address(
+                self.w[i],
+                api.UCXAddress.create_from_buffer(self.w[1 - i].address.tobytes()),
+                True,
+            )
+            for i in range(2)
+        ]
+        self.timeout_s = timeout_s
+        for i in range(2):
+            self._wait(self.ucp.flush(int(self.ep[i].handle)).request)
+        self.memh = [self.ucp.mem_map(self.ctx[0].handle, a, n * holder.num_blocks, cuda=False)
+                     for a, n in zip(holder.region_addrs, holder.block_lens, strict=True)]
+        keys = [self.ucp.rkey_pack(self.ctx[0].handle, m) for m in self.memh]
+        self.rkeys = [self.ucp.rkey_unpack(int(self.ep[1].handle), k) for k in keys]
+        self.holder, self.reader = holder, reader
+        self.any_tag, self.no_mask = api.UCXXTag(0), api.UCXXTagMask(0)
+
+    def _progress(self) -> None:
+        self.w[0].progress()
+        self.w[1].progress()
+
+    def _wait(self, request: int) -> None:
+        if not request:
+            return
+        status = UCS_INPROGRESS
+
+        def done() -> bool:
+            nonlocal status
+            self._progress()
+            status = self.ucp.check(request)
+            return status != UCS_INPROGRESS
+
+        _spin(done, self.timeout_s, "UCX request")
+        self.ucp.free(request)
+        if status != UCS_OK:
+            raise RuntimeError(f"UCX request failed: {self.ucp.status_text(status)}")
+
+    def _send(self, i: int, payload: bytes) -> Any:
+        return self.ep[i].tag_send(self.array(payload), self.api.UCXXTag(1))
+
+    def _recv(self, i: int) -> bytes:
+        got: list[bytes] = []
+
+        def arrived() -> bool:
+            self._progress()
+            probe = self.w[i].tag_probe(self.any_tag, self.no_mask, remove=True)
+            if not probe.matched:
+                return False
+            buf = bytearray(probe.length)
+            req = self.w[i].tag_recv_with_handle(self.array(buf), probe)
+
+            def received() -> bool:
+                self._progress()
+                return bool(req.completed)
+
+            _spin(received, self.timeout_s, "receive")
+            got.append(bytes(buf))
+            return True
+
+        _spin(arrived, self.timeout_s, "notification")
+        return got[0]
+
+    def rtt(self) -> float:
+        t0 = time.perf_counter()
+        self._send(0, b"ping")
+        self._send(1, self._recv(1))
+        self._recv(0)
+        return time.perf_counter() - t0
+
+    def read(self, local: list[int], remote: list[int]) -> float:
+        segs = plan_read(self.reader, self.holder, local_blocks=local, remote_blocks=remote)
+        t0 = time.perf_counter()
+        handle = int(self.ep[1].handle)
+        reqs = [self.ucp.get(handle, s.local_addr, s.length, s.remote_addr,
+                             self.rkeys[s.region]).request for s in segs]
+        for req in reqs:
+            self._wait(req)
+        self._send(1, b"done")
+        self._recv(0)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        for rkey in self.rkeys:
+            self.ucp.rkey_destroy(rkey)
+        for ep in self.ep:
+            ep.close_blocking(10**9, 1)
+        for memh in self.memh:
+            self.ucp.mem_unmap(self.ctx[0].handle, memh)
+        del self.ep, self.w, self.ctx
+
+
+class _Kv:
+    """Two UcxTransports, polled from this thread."""
+
+    def __init__(self, holder: BlockLayout, reader: BlockLayout, timeout_s: float) -> None:
+        self.a = UcxTransport(name_prefix="bench-holder")
+        self.b = UcxTransport(name_prefix="bench-reader")
+        self.a.register_blocks(holder)
+        self.b.register_blocks(reader)
+        self.pa = self.b.add_peer(self.a.metadata())
+        self.pb = self.a.add_peer(self.b.metadata())
+        self.timeout_s = timeout_s
+
+    def _wait(self, t: UcxTransport, match: Callable[[TransportEvent], bool], what: str) -> None:
+        def got() -> bool:
+            events = t.poll()
+            if any(isinstance(e, ReadFailed) for e in events):
+                raise RuntimeError(f"read failed: {events}")
+            return any(match(e) for e in events)
+
+        # Pause between polls, as a binding's tick would: a busy-polling caller
+        # holds the GIL the engine threads need (2-5x slower figures measured).
+        _spin(got, self.timeout_s, what, pause_s=POLL_PAUSE_S)
+
+    def rtt(self) -> float:
+        t0 = time.perf_counter()
+        self.a.send(self.pb, b"ping")
+        self._wait(self.b, lambda e: isinstance(e, Received) and e.payload == b"ping", "ping")
+        self.b.send(self.pa, b"pong")
+        self._wait(self.a, lambda e: isinstance(e, Received) and e.payload == b"pong", "pong")
+        return time.perf_counter() - t0
+
+    def read(self, local: list[int], remote: list[int]) -> float:
+        t0 = time.perf_counter()
+        rid = self.b.read_blocks(self.pa, local_blocks=local, remote_blocks=remote,
+                                 notify=b"done")
+        self._wait(self.b, lambda e: isinstance(e, ReadCompleted) and e.read_id == rid, "read")
+        elapsed = time.perf_counter() - t0
+        self._wait(self.a, lambda e: isinstance(e, Received) and e.payload == b"done", "notify")
+        return elapsed
+
+    def close(self) -> None:
+        self.a.close()
+        self.b.close()
+
+
+def measure_overhead(
+    *,
+    iterations: int = 200,
+    blocks: int = 64,
+    regions: int = 8,
+    block_len: int = 4096,
+    num_blocks: int = 128,
+    timeout_s: float = 10.0,
+) -> dict[str, Any]:
+    """Notification round trip and a ``blocks``-block read: raw UCX vs UcxTransport.
+
+    Returns medians/percentiles in microseconds per variant and the ratios
+    ``transport / raw`` of the medians (the transport layer's overhead).
+    """
+    shape = (regions, num_blocks, block_len)
+    mems = [np.full(shape, i, dtype=np.uint8) for i in range(4)]
+    for r in range(regions):  # distinct holder bytes, to check what moved
+        mems[0][r] = np.arange(num_blocks * block_len, dtype=np.uint8).reshape(
+            num_blocks, block_len) + r
+        mems[2][r] = mems[0][r]
+    layouts = [_layout(m, regions, num_blocks, block_len) for m in mems]
+    want = list(range(num_blocks - blocks, num_blocks))  # a partial-hit tail
+    got = list(range(blocks))
+    raw = _Raw(layouts[0], layouts[1], timeout_s)
+    kv = _Kv(layouts[2], layouts[3], timeout_s)
+    steps: dict[str, Callable[[], float]] = {
+        "notif_rtt_raw": raw.rtt,
+        "notif_rtt_transport": kv.rtt,
+        "read_raw": lambda: raw.read(got, want),
+        "read_transport": lambda: kv.read(got, want),
+    }
+    try:
+        for step in steps.values():  # warm up: connections, first-use protocols
+            for _ in range(5):
+                step()
+        samples: dict[str, list[float]] = {k: [] for k in steps}
+        for _ in range(iterations):
+            for name, step in steps.items():
+                samples[name].append(step())
+        for holder, reader in ((0, 1), (2, 3)):
+            if not np.array_equal(mems[reader][:, :blocks], mems[holder][:, num_blocks - blocks:]):
+                raise RuntimeError("the read did not move the expected bytes")
+    finally:
+        kv.close()
+        raw.close()
+    out: dict[str, Any] = {
+        "config": {
+            "iterations": iterations,
+            "blocks": blocks,
+            "regions": regions,
+            "block_len": block_len,
+            "read_bytes": blocks * regions * block_len,
+            "gets_per_read": regions,  # consecutive blocks merge into one get per region
+            "ucx_tls": DEFAULT_UCX_OPTIONS["TLS"],
+        },
+    }
+    out.update({name: _summary(values) for name, values in samples.items()})
+    out["notif_rtt_overhead_ratio"] = (
+        out["notif_rtt_transport"]["median_us"] / out["notif_rtt_raw"]["median_us"]
+    )
+    out["read_overhead_ratio"] = out["read_transport"]["median_us"] / out["read_raw"]["median_us"]
+    return out
+
+
+if __name__ == "__main__":  # python -m kvproto_transports.ucx.bench
+    import json
+
+    print(json.dumps(measure_overhead(), indent=2))
