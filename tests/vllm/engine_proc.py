@@ -59,6 +59,8 @@ class EngineSpec:
     """KV block size; the CPU attention backend needs a multiple of 32."""
     max_model_len: int = 512
     """Small, so the 1 GiB CPU KV cache holds many blocks."""
+    max_num_seqs: int = 8
+    """Requests running at once; 1 makes a request queue behind another (overload)."""
     keep_kv_core_pinning: bool = False
     """Stock NixlConnector's worker pins the engine thread to the last core of
     each NUMA node on CPU (base_worker.py, os.sched_setaffinity); on a 2-core
@@ -104,7 +106,7 @@ class _Server:
             enforce_eager=True,
             block_size=spec.block_size,
             max_model_len=spec.max_model_len,
-            max_num_seqs=8,
+            max_num_seqs=spec.max_num_seqs,
             enable_prefix_caching=spec.prefix_caching,
             kv_transfer_config=spec.kv_transfer_config,
             disable_log_stats=False,  # Prometheus metrics for get_metrics()
@@ -114,6 +116,10 @@ class _Server:
         client: Any = self.llm.llm_engine.engine_core  # InprocClient when in-process
         self.core = client.engine_core
         self.scheduler = self.core.scheduler
+        self.outputs: dict[str, Any] = {}
+        """Finished outputs of requests added with cmd_add, by request id."""
+        self.steps = 0
+        """Engine steps taken by pump/collect (not by generate)."""
 
     # -- commands (name -> method cmd_<name>) ---------------------------------
     def cmd_info(self) -> dict[str, Any]:
@@ -176,17 +182,92 @@ class _Server:
         """Step until the scheduler holds no request; report how long it took."""
         t0 = time.perf_counter()
         while self.scheduler.has_requests() and time.perf_counter() - t0 < timeout_s:
-            self.llm.llm_engine.step()
+            self._step()
             time.sleep(0.002)
         return {"idle": not self.scheduler.has_requests(), "waited_s": time.perf_counter() - t0}
 
     def cmd_peak_rss_mib(self) -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
+    def cmd_add(
+        self,
+        request_ids: list[str],
+        prompts: list[str],
+        sampling: dict[str, Any],
+        kv_transfer_params: list[dict[str, Any] | None] | None = None,
+    ) -> None:
+        """Enqueue requests without waiting (the loop steps them between commands)."""
+        from vllm import SamplingParams
+
+        for i, (rid, prompt) in enumerate(zip(request_ids, prompts, strict=True)):
+            kw = {"temperature": 0.0, "ignore_eos": True, **sampling}
+            kvp = kv_transfer_params[i] if kv_transfer_params else None
+            if kvp is not None:
+                kw["extra_args"] = {"kv_transfer_params": kvp}
+            self.llm.llm_engine.add_request(rid, prompt, SamplingParams(**kw))
+
+    def cmd_collect(self, request_ids: list[str], timeout_s: float) -> list[dict[str, Any]]:
+        """Step until the requests added with cmd_add finished; their outputs."""
+        t0 = time.perf_counter()
+        while not all(r in self.outputs for r in request_ids):
+            if time.perf_counter() - t0 > timeout_s:
+                missing = [r for r in request_ids if r not in self.outputs]
+                raise TimeoutError(f"requests {missing} unfinished after {timeout_s} s")
+            self._step()
+        return [_output_dict(self.outputs.pop(r), time.perf_counter() - t0) for r in request_ids]
+
+    def cmd_abort(self, request_ids: list[str]) -> None:
+        self.llm.llm_engine.abort_request(request_ids)
+
+    def cmd_stall(self, seconds: float) -> None:
+        """Block the engine thread, as a long forward pass would (no steps, no polling)."""
+        time.sleep(seconds)
+
+    def cmd_add_and_stall(self, stall_s: float, **add: Any) -> None:
+        """Enqueue, then block the engine before its next step."""
+        self.cmd_add(**add)
+        time.sleep(stall_s)
+
+    def cmd_steps(self) -> int:
+        return self.steps
+
+    def cmd_connector_state(self) -> dict[str, Any]:
+        """debug_state() of the scheduler- and worker-side connectors, when they have one."""
+        from vllm.distributed.kv_transfer.kv_transfer_state import (
+            get_kv_transfer_group,
+            has_kv_transfer_group,
+        )
+
+        out: dict[str, Any] = {}
+        sched_conn = getattr(self.scheduler, "connector", None)
+        if hasattr(sched_conn, "debug_state"):
+            out["scheduler"] = sched_conn.debug_state()
+        if has_kv_transfer_group():
+            worker_conn = get_kv_transfer_group()
+            if hasattr(worker_conn, "debug_state"):
+                out["worker"] = worker_conn.debug_state()
+        return out
+
+    def _step(self) -> None:
+        for out in self.llm.llm_engine.step():
+            if out.finished:
+                self.outputs[out.request_id] = out
+        self.steps += 1
+
     def pump(self) -> None:
         """Between commands: step like the server loop would."""
         if self.scheduler.has_requests():
-            self.llm.llm_engine.step()
+            self._step()
+
+
+def _output_dict(o: Any, waited_s: float) -> dict[str, Any]:
+    return {
+        "token_ids": list(o.outputs[0].token_ids),
+        "prompt_token_ids": list(o.prompt_token_ids or []),
+        "kv_transfer_params": o.kv_transfer_params,
+        "finish_reason": o.outputs[0].finish_reason,
+        "generate_s": waited_s,
+    }
 
 
 def _child_main(conn: Any, spec: EngineSpec) -> None:

@@ -1,0 +1,70 @@
+"""Who may read whose KV blocks (compat hash) and where a holder's side channel listens.
+
+The compat hash plays the role of stock vLLM's ``compute_nixl_compatibility_hash``:
+the holder's side channel refuses a reader whose hash differs, and the reader
+fails its requests (recompute) with a clear log line instead of reading blocks
+it cannot interpret. Like stock, the model *path string* is a factor, so P and
+D must load the model from the same path. Unlike stock, the block size is a
+factor too: kvproto exchanges block ids one-to-one and does not remap sizes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+ADAPTER_PROTOCOL = 1
+"""Bumped when the adapter's kv_transfer_params or side-channel use changes."""
+
+
+def compat_factors(vllm_config: VllmConfig) -> dict[str, Any]:
+    """The facts two engines must share for one to read the other's blocks."""
+    from vllm import __version__ as vllm_version
+
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    return {
+        "kvproto_vllm_protocol": ADAPTER_PROTOCOL,
+        "vllm_version": vllm_version,
+        "model": model.model,
+        "dtype": str(model.dtype),
+        "num_kv_heads": model.get_total_num_kv_heads(),
+        "head_size": model.get_head_size(),
+        "num_hidden_layers": model.get_total_num_hidden_layers(),
+        "cache_dtype": str(cache.cache_dtype),
+        "block_size": cache.block_size,
+    }
+
+
+def compat_hash(factors: dict[str, Any]) -> bytes:
+    """A 16-byte digest of the factors (stable across processes and hosts)."""
+    text = json.dumps(factors, sort_keys=True, default=str)
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
+
+
+def side_channel_address(vllm_config: VllmConfig) -> tuple[str, int]:
+    """(host, port of TP rank 0) of this engine's side channel.
+
+    Stock's listener is ``VLLM_NIXL_SIDE_CHANNEL_PORT + data_parallel_index``
+    and serves every TP rank from the scheduler process. Here each worker rank
+    serves its own metadata and takes its readers' introductions itself (so a
+    holder can add a reader's NIXL agent before the reader's first frame is
+    handled), so rank r listens on ``base + dp_index * tp_size + r``; with TP 1
+    this is exactly stock's port.
+    """
+    from vllm import envs
+
+    parallel = vllm_config.parallel_config
+    base = envs.VLLM_NIXL_SIDE_CHANNEL_PORT + parallel.data_parallel_index * transfer_tp_size(
+        vllm_config
+    )
+    return envs.VLLM_NIXL_SIDE_CHANNEL_HOST, base
+
+
+def transfer_tp_size(vllm_config: VllmConfig) -> int:
+    """TP size as the lease protocol sees it (one holder or reader per TP rank)."""
+    return int(vllm_config.parallel_config.tensor_parallel_size)

@@ -1,0 +1,139 @@
+"""``kv_connector_extra_config`` parsing: the lease keys plus the adapter's own.
+
+Pure (no vLLM import), so it is unit-testable and cheap. Lease keys go to
+:meth:`kvproto.config.LeaseConfig.from_mapping` (vLLM's names:
+``kv_lease_duration``, ``decoder_kv_blocks_ttl``, ...); the adapter adds the
+keys in :data:`ADAPTER_KEYS`. Two stock NixlConnector keys that only tune
+stock internals are accepted and ignored (:data:`IGNORED_STOCK_KEYS`), so a
+config written for the stock connector loads; a stock key whose behaviour is
+not implemented here (``bidirectional_kv_xfer: true``) is refused loudly
+rather than silently doing something else. Any other key is an error.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kvproto.config import ConfigError, LeaseConfig
+
+IGNORED_STOCK_KEYS = frozenset({"num_threads", "engine_ttl"})
+"""Stock NixlConnector tuning keys with no meaning here (accepted, ignored)."""
+
+_DEFAULT_DURATION = LeaseConfig().kv_lease_duration
+
+DEFAULT_READ_MARGIN = 5.0
+"""vLLM's turn-2 read margin; capped at half the lease extension for short leases."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdapterConfig:
+    """The adapter's own settings (the lease settings live in :attr:`lease`)."""
+
+    lease: LeaseConfig
+    """Lease protocol settings, validated by the core."""
+    backends: tuple[str, ...] = ("UCX",)
+    """NIXL backends (stock key ``backends``)."""
+    probe_interval_s: float | None = 1.0
+    """How often the worker probes its NIXL peers so a dead peer surfaces as PeerLost
+    (a holder then frees at once instead of at lease expiry); None disables probing."""
+    handshake_timeout_s: float = 5.0
+    """Side-channel round-trip timeout (stock: 5 s)."""
+    handshake_attempts: int = 3
+    """Side-channel attempts before a holder counts as unreachable."""
+    kv_recompute_threshold: int = 0
+    """Stock key: remote tails shorter than this many tokens are recomputed, not read
+    (the holder is still told at once). Default 0 = always read (stock: 64)."""
+
+    @property
+    def side_channel_secret(self) -> bytes | None:
+        """The lease ``auth_secret`` also authenticates the side channel."""
+        return self.lease.auth_secret
+
+
+ADAPTER_KEYS = frozenset(f.name for f in fields(AdapterConfig)) - {"lease"}
+LEASE_KEYS = frozenset(f.name for f in fields(LeaseConfig))
+
+
+def parse_extra_config(extra: Mapping[str, Any] | None) -> AdapterConfig:
+    """Validate ``kv_connector_extra_config``; raises :class:`ConfigError` with the key."""
+    values = dict(extra or {})
+    if values.get("bidirectional_kv_xfer"):
+        raise ConfigError(
+            "bidirectional_kv_xfer is not implemented by KvprotoConnector "
+            "(see spec/vllm-adapter.md)"
+        )
+    values.pop("bidirectional_kv_xfer", None)
+    if values.pop("enforce_handshake_compat", True) is not True:
+        raise ConfigError(
+            "enforce_handshake_compat=false is not supported: a holder whose compat hash "
+            "differs is never read from"
+        )
+    for key in IGNORED_STOCK_KEYS:
+        values.pop(key, None)
+    unknown = sorted(set(values) - ADAPTER_KEYS - LEASE_KEYS)
+    if unknown:
+        raise ConfigError(
+            f"unknown kv_connector_extra_config keys for KvprotoConnector: {', '.join(unknown)}"
+        )
+    lease_values = {k: v for k, v in values.items() if k in LEASE_KEYS}
+    if "read_margin" not in lease_values:
+        lease_values["read_margin"] = _default_read_margin(lease_values)
+    lease = LeaseConfig.from_mapping(lease_values)
+    own = {k: v for k, v in values.items() if k in ADAPTER_KEYS}
+    return AdapterConfig(
+        lease=lease,
+        backends=_backends(own.get("backends", ("UCX",))),
+        probe_interval_s=_optional_positive("probe_interval_s", own.get("probe_interval_s", 1.0)),
+        handshake_timeout_s=_positive("handshake_timeout_s", own.get("handshake_timeout_s", 5.0)),
+        handshake_attempts=int(_positive("handshake_attempts", own.get("handshake_attempts", 3))),
+        kv_recompute_threshold=int(
+            _non_negative("kv_recompute_threshold", own.get("kv_recompute_threshold", 0))
+        ),
+    )
+
+
+def _default_read_margin(lease_values: Mapping[str, Any]) -> float:
+    """vLLM users set only ``kv_lease_duration``; a 6 s lease has a 4 s extension, which
+    the core's default 5 s margin would exceed, so the default shrinks with the lease."""
+    duration = lease_values.get("kv_lease_duration", _DEFAULT_DURATION)
+    if isinstance(duration, bool) or not isinstance(duration, int | float):
+        return DEFAULT_READ_MARGIN  # LeaseConfig reports the bad value itself
+    if not math.isfinite(duration):
+        return DEFAULT_READ_MARGIN
+    extension = duration * 2 // 3
+    return float(min(DEFAULT_READ_MARGIN, extension / 2))
+
+
+def _backends(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, Sequence) or not value or not all(isinstance(b, str) for b in value):
+        raise ConfigError(f"backends must be a non-empty list of names, got {value!r}")
+    return tuple(value)
+
+
+def _number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _positive(name: str, value: Any) -> float:
+    number = _number(name, value)
+    if number <= 0:
+        raise ConfigError(f"{name} must be positive, got {value!r}")
+    return number
+
+
+def _non_negative(name: str, value: Any) -> float:
+    number = _number(name, value)
+    if number < 0:
+        raise ConfigError(f"{name} must not be negative, got {value!r}")
+    return number
+
+
+def _optional_positive(name: str, value: Any) -> float | None:
+    return None if value is None else _positive(name, value)

@@ -1,0 +1,246 @@
+"""``KvprotoConnector``: vLLM's KV connector API bound to the kvproto lease core.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "KvprotoConnector",
+                           "kv_connector_module_path": "kvproto_vllm.connector",
+                           "kv_role": "kv_producer",            # or kv_consumer
+                           "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"kv_lease_duration": 30}}'
+
+vLLM imports this module in its front-end process too (config checks,
+metrics), so it imports only vLLM's base class and the adapter's pure
+modules; NIXL, ZMQ and the cores load when a role-specific half is built.
+
+vLLM builds one instance with role SCHEDULER (engine-core process) and one
+with role WORKER per worker process; each delegates to its half
+(:mod:`.scheduler`, :mod:`.worker`). Every lease decision is the core's.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from .config import parse_extra_config
+from .metadata import KvprotoMetadata
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from .scheduler import SchedulerSide
+    from .stats import DeltaTracker
+    from .worker import WorkerSide
+
+
+class KvprotoConnector(KVConnectorBase_V1, SupportsHMA):
+    """A P/D KV connector whose block leases are kvproto's (see spec/vllm-adapter.md).
+
+    ``SupportsHMA`` keeps vLLM's hybrid allocator setting as with stock
+    NixlConnector (whose compat hash includes it); only single-group (full
+    attention) models are transferred.
+    """
+
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+    ):
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = self._kv_transfer_config
+        self.adapter_config = parse_extra_config(transfer.kv_connector_extra_config)
+        engine_id = transfer.engine_id
+        if engine_id is None:
+            raise ValueError("kv_transfer_config.engine_id is unset")
+        self.engine_id: str = engine_id
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        self._stats: DeltaTracker | None = None
+        producer, consumer = transfer.is_kv_producer, transfer.is_kv_consumer
+        if role == KVConnectorRole.SCHEDULER:
+            from .scheduler import SchedulerSide
+
+            self._scheduler = SchedulerSide(
+                vllm_config,
+                self.adapter_config,
+                engine_id=engine_id,
+                producer=producer,
+                consumer=consumer,
+            )
+        else:
+            from .stats import DeltaTracker
+            from .worker import WorkerSide
+
+            self._worker = WorkerSide(
+                vllm_config,
+                self.adapter_config,
+                engine_id=engine_id,
+                num_blocks=int(kv_cache_config.num_blocks),
+                producer=producer,
+                consumer=consumer,
+            )
+            self._stats = DeltaTracker(f"{engine_id}/{self._worker.rank}")
+
+    # ================================================================ worker
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._connector_metadata
+        self._worker.start_load_kv(meta if isinstance(meta, KvprotoMetadata) else None)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are asynchronous: the request waits in WAITING_FOR_REMOTE_KVS
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        return  # the decoder pulls; nothing is pushed
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        # For callers that do not know get_transfer_results: failed reads still reach
+        # vLLM through get_block_ids_with_load_errors, never as good data.
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self._worker is not None
+        sending, recving, failed = self._worker.get_transfer_results()
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving, failed_recving=failed
+        )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        if self._worker is None:
+            return set()
+        return self._worker.take_bad_blocks()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._worker is None or self._stats is None:
+            return None
+        return self._stats.delta(self._worker.stats_snapshot())
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # ============================================================= scheduler
+
+    def on_new_request(self, request: Request) -> None:
+        assert self._scheduler is not None
+        self._scheduler.on_new_request(request)
+
+    def get_num_new_matched_tokens(
+        self,
+        request: Request,
+        num_computed_tokens: int,
+    ) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_meta()
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_connector_output(connector_output.finished_recving)
+
+    def request_finished(
+        self,
+        request: Request,
+        block_ids: list[int],
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self,
+        request: Request,
+        block_ids: tuple[list[int], ...],
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    # ================================================================ stats
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        from .stats import KvprotoStats
+
+        return KvprotoStats(data=dict(data)) if data is not None else KvprotoStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        from .stats import KvprotoPromMetrics
+
+        return KvprotoPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    # ================================================================ debug
+
+    def debug_state(self) -> dict[str, Any]:
+        """What this half holds now (tests and operators' debugging; not a stable API)."""
+        out: dict[str, Any] = {"role": self.role.name, "engine_id": self.engine_id}
+        if self._worker is not None:
+            out["stats"] = self._worker.stats_snapshot()
+            out["events"] = list(self._worker.events)
+            out["agent"] = (
+                self._worker.transport.local_peer if self._worker.transport is not None else None
+            )
+        if self._scheduler is not None:
+            producer, consumer = self._scheduler.producer, self._scheduler.consumer
+            if producer is not None:
+                out["incarnation"] = producer.incarnation
+                out["granted"] = producer.granted
+            if consumer is not None:
+                out["tracked"] = consumer.tracked_count()
+                out["untracked"] = consumer.untracked
+        return out

@@ -1,0 +1,181 @@
+"""D, scheduler side: track a request's lease from enqueue, plan its read, stop tracking.
+
+* ``on_new_request`` (right after enqueue, before any scheduling): a request
+  with ``do_remote_prefill`` and a valid kvproto ticket is tracked, and the
+  worker is told to start heartbeating for it at the next step -- whether or
+  not the scheduler has room for it yet. A request without a usable ticket
+  (stock prefill engine, malformed or expired ticket) is not tracked and is
+  prefilled locally.
+* ``get_num_new_matched_tokens`` / ``update_state_after_alloc``: like stock,
+  load the prompt tokens not computed locally (a partial prefix hit reads
+  only the tail), asynchronously.
+* ``request_finished`` (finished or aborted) and ``update_connector_output``
+  (``finished_recving``): tell the worker to stop tracking; a request aborted
+  before its read started aborts the lease, so the holder frees at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvproto.errors import RemoteProtocolError
+from kvproto.ticket import PARAMS_KEY, LeaseTicket
+
+from .metadata import Recv, Track
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.request import Request
+
+log = logging.getLogger("vllm.kvproto_connector.consumer")
+
+
+@dataclass(slots=True)
+class _Tracked:
+    ticket: LeaseTicket
+    remote_block_ids: list[int]
+    remote_num_tokens: int | None
+    planned: bool = False
+
+
+class Consumer:
+    """Request tracking and read planning for one decode engine."""
+
+    def __init__(self, *, recompute_threshold: int = 0) -> None:
+        self._threshold = recompute_threshold
+        self._tracked: dict[str, _Tracked] = {}
+        self._tracks: list[Track] = []
+        self._recvs: list[Recv] = []
+        self._finishes: list[str] = []
+        self.untracked = 0
+        """Requests with do_remote_prefill that could not be tracked (recomputed)."""
+
+    # ------------------------------------------------------------ hooks
+
+    def on_new_request(self, request: Request) -> None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return
+        rid = request.request_id
+        if rid in self._tracked:
+            return  # vLLM calls this once per request; be safe on a re-add
+        parsed = _parse(params)
+        if isinstance(parsed, str):
+            self.untracked += 1
+            log.warning("request %s is prefilled locally: %s", rid, parsed)
+            params["do_remote_prefill"] = False
+            return
+        ticket, host, port, remote_blocks, remote_tokens = parsed
+        self._tracked[rid] = _Tracked(ticket, remote_blocks, remote_tokens)
+        self._tracks.append(Track(request_id=rid, ticket=ticket, host=host, port=port))
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        tracked = self._tracked.get(request.request_id)
+        params = request.kv_transfer_params
+        if tracked is None or not params or not params.get("do_remote_prefill"):
+            return 0, False
+        available = len(request.prompt_token_ids or ())
+        if tracked.remote_num_tokens is not None:
+            available = min(available, tracked.remote_num_tokens)
+        count = available - num_computed_tokens
+        if count <= 0 or count < self._threshold:
+            return 0, False  # nothing worth reading: update_state_after_alloc frees P at once
+        return count, True
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        tracked = self._tracked.get(request.request_id)
+        params = request.kv_transfer_params
+        if tracked is None or not params or not params.get("do_remote_prefill"):
+            return
+        local: list[int] = []
+        if num_external_tokens > 0:
+            groups = blocks.get_unhashed_block_ids_all_groups()
+            local = [int(b) for b in groups[0]] if groups else []
+        if len(local) > len(tracked.remote_block_ids):
+            log.error(
+                "request %s: %d local blocks to fill but the holder has only %d; recomputing",
+                request.request_id,
+                len(local),
+                len(tracked.remote_block_ids),
+            )
+            local = local[-len(tracked.remote_block_ids) :] if tracked.remote_block_ids else []
+        tracked.planned = True
+        self._recvs.append(
+            Recv(
+                request_id=request.request_id,
+                local_block_ids=local,
+                remote_block_ids=list(tracked.remote_block_ids),
+                awaiting=num_external_tokens > 0,
+            )
+        )
+        params["do_remote_prefill"] = False  # one transfer per request, as stock
+
+    def request_finished(self, request: Request) -> None:
+        if self._tracked.pop(request.request_id, None) is not None:
+            self._finishes.append(request.request_id)
+
+    def finished_recving(self, request_ids: set[str] | None) -> None:
+        for rid in request_ids or ():
+            if self._tracked.pop(rid, None) is not None:
+                self._finishes.append(rid)
+
+    # ------------------------------------------------------------ metadata
+
+    def take(self) -> tuple[list[Track], list[Recv], list[str]]:
+        """This step's orders for the worker; clears them."""
+        out = (self._tracks, self._recvs, self._finishes)
+        self._tracks, self._recvs, self._finishes = [], [], []
+        return out
+
+    def is_tracked(self, request_id: str) -> bool:
+        """Whether a request is tracked (for tests)."""
+        return request_id in self._tracked
+
+    def tracked_count(self) -> int:
+        """Requests tracked now."""
+        return len(self._tracked)
+
+
+def _parse(params: dict[str, Any]) -> tuple[LeaseTicket, str, int, list[int], int | None] | str:
+    """The ticket and addressing of a remote-prefill request, or why it is unusable."""
+    raw = params.get(PARAMS_KEY)
+    if raw is None:
+        return "no kvproto lease ticket in kv_transfer_params (a stock prefill engine?)"
+    try:
+        ticket = LeaseTicket.from_params(raw)
+    except RemoteProtocolError as exc:
+        return f"unusable lease ticket: {exc}"
+    host = params.get("remote_host")
+    port = params.get("remote_port")
+    if not isinstance(host, str) or not host:
+        return "remote_host missing"
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        return f"bad remote_port {port!r}"
+    if params.get("remote_engine_id") not in (None, ticket.holder_engine):
+        return "remote_engine_id does not match the ticket's holder engine"
+    blocks = _block_ids(params.get("remote_block_ids"))
+    if blocks is None:
+        return "remote_block_ids missing or malformed"
+    tokens = params.get("remote_num_tokens")
+    remote_tokens = tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None
+    return ticket, host, port, blocks, remote_tokens
+
+
+def _block_ids(value: Any) -> list[int] | None:
+    """Stock sends one list per KV cache group; a flat list is accepted too."""
+    if not isinstance(value, list | tuple) or not value:
+        return None
+    first = value[0]
+    if isinstance(first, list | tuple):
+        if len(value) != 1:
+            return None  # several groups: not supported (single-group models only)
+        value = first
+    if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in value):
+        return None
+    return [int(b) for b in value]

@@ -1,0 +1,76 @@
+"""What the scheduler-side connector tells the worker-side one, every step.
+
+vLLM builds one :class:`KvprotoMetadata` per engine step
+(``build_connector_meta``) and hands it to every worker rank
+(``bind_connector_metadata``); with several worker processes it is pickled,
+so everything here is plain data. The lease cores live in the workers (they
+own the NIXL agent that heartbeats and done frames arrive at), so the
+scheduler only mints tickets and forwards request events.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from kvproto.ticket import LeaseTicket
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Grant:
+    """P: the scheduler delayed freeing a finished request's blocks under this ticket."""
+
+    request_id: str
+    """The prefill engine's request id (what finished_sending must name)."""
+    ticket: LeaseTicket
+    """Minted by the scheduler; every worker rank's Holder adopts it."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Track:
+    """D: a request carrying a lease ticket entered the scheduler (start heartbeats)."""
+
+    request_id: str
+    """The decode engine's request id."""
+    ticket: LeaseTicket
+    """The holder's ticket from ``kv_transfer_params["kvproto"]``."""
+    host: str
+    """Holder side-channel host (``remote_host``)."""
+    port: int
+    """Holder rank 0's side-channel port (``remote_port``); rank r listens on port + r."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Recv:
+    """D: blocks were allocated for a request; read the remote blocks into them."""
+
+    request_id: str
+    """The decode engine's request id."""
+    local_block_ids: list[int]
+    """Local blocks to fill (the unhashed tail after a partial prefix hit; empty on a
+    full local hit, which only tells the holder it may free)."""
+    remote_block_ids: list[int]
+    """All of the holder's blocks for the prompt (the tail is read)."""
+    awaiting: bool
+    """The request waits in WAITING_FOR_REMOTE_KVS: report finished_recving for it."""
+
+
+@dataclass(slots=True, kw_only=True)
+class KvprotoMetadata(KVConnectorMetadata):
+    """One step's orders for the worker-side connector."""
+
+    incarnation: int | None = None
+    """P: the holder incarnation the scheduler mints tickets under (None on a pure decoder)."""
+    grants: list[Grant] = field(default_factory=list)
+    """P: new leases to adopt."""
+    tracks: list[Track] = field(default_factory=list)
+    """D: new requests to heartbeat for."""
+    recvs: list[Recv] = field(default_factory=list)
+    """D: reads to issue once the holder session is open."""
+    finishes: list[str] = field(default_factory=list)
+    """D: requests that left the scheduler (finished, aborted, or read and confirmed)."""
+
+    def is_empty(self) -> bool:
+        """Nothing to do this step (the incarnation alone is not work)."""
+        return not (self.grants or self.tracks or self.recvs or self.finishes)

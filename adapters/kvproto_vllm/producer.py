@@ -1,0 +1,116 @@
+"""P, scheduler side: grant a lease when a prefill request finishes.
+
+``request_finished`` (all KV groups) mints a :class:`~kvproto.ticket.LeaseTicket`
+for the finished request's blocks, returns ``kv_transfer_params`` with the
+fields a stock decoder and proxy expect plus ``{"kvproto": ticket}``, and
+tells vLLM to keep the blocks: they are freed only when a worker reports the
+request in ``finished_sending``, which it does when its Holder says the lease
+ended (read done, expired, aborted, reader lost...). The ticket reaches the
+workers in the next step's metadata.
+
+The incarnation is drawn here, once per engine start, and sent to the
+workers with every step, so all TP ranks' Holders agree with the tickets.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvproto.config import LeaseConfig
+from kvproto.ticket import PARAMS_KEY, LeaseMint
+
+from .metadata import Grant
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+log = logging.getLogger("vllm.kvproto_connector.producer")
+
+
+class Producer:
+    """Ticket minting for one prefill engine."""
+
+    def __init__(
+        self,
+        lease: LeaseConfig,
+        *,
+        engine_id: str,
+        tp_size: int,
+        host: str,
+        port: int,
+        dcp_size: int = 1,
+        pp_size: int = 1,
+    ) -> None:
+        self.lease = lease
+        self.engine_id = engine_id
+        self.tp_size = tp_size
+        self.host = host
+        self.port = port
+        self.dcp_size = dcp_size
+        self.pp_size = pp_size
+        # 63 bits: fits msgpack uint64 and JSON numbers exactly.
+        self.incarnation = secrets.randbits(63)
+        self._mint = LeaseMint(
+            engine=engine_id,
+            incarnation=self.incarnation,
+            tp_size=tp_size,
+            params=lease.params,
+            entropy=secrets.token_bytes,
+        )
+        self._grants: list[Grant] = []
+        self.granted = 0
+        """Leases granted since start (scheduler-side stat)."""
+
+    def request_finished(
+        self, request: Request, block_ids: Sequence[Sequence[int]]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Grant and delay the free, or (False, None) when nothing will be read."""
+        from vllm.v1.request import RequestStatus
+
+        if request.status not in (
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+            RequestStatus.FINISHED_STOPPED,
+        ):
+            return False, None  # aborted or errored during prefill: nothing to hand over
+        if len(block_ids) != 1:
+            log.warning(
+                "request %s: %d KV cache groups; KvprotoConnector transfers single-group "
+                "(full attention) models only, so its blocks are not offered",
+                request.request_id,
+                len(block_ids),
+            )
+            return False, None
+        blocks = [int(b) for b in block_ids[0]]
+        if not blocks:
+            return False, None
+        ticket = self._mint.mint(
+            time.monotonic(), request_id=request.request_id, ttl=self.lease.kv_lease_duration
+        )
+        self._grants.append(Grant(request_id=request.request_id, ticket=ticket))
+        self.granted += 1
+        params: dict[str, Any] = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [blocks],
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": request.request_id,
+            "remote_host": self.host,
+            "remote_port": self.port,
+            "tp_size": self.tp_size,
+            "dcp_size": self.dcp_size,
+            "pp_size": self.pp_size,
+            "remote_num_tokens": int(request.num_computed_tokens),
+            "remote_blocks_expiry_time": None,
+            "transfer_mode": "pull",
+            PARAMS_KEY: ticket.to_params(),
+        }
+        return True, params
+
+    def take_grants(self) -> list[Grant]:
+        """Grants made since the last call (for this step's metadata)."""
+        out, self._grants = self._grants, []
+        return out

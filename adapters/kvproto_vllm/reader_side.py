@@ -1,0 +1,306 @@
+"""D, worker side: heartbeat from enqueue, read when the session is open, trust only HELD.
+
+Per request the worker sees, through the scheduler's metadata, ``Track``
+(enqueued), ``Recv`` (blocks allocated: read into them) and a finish (left the
+scheduler). The :class:`~kvproto.reader.Reader` decides; this class only
+plumbs and keeps vLLM's reporting rules:
+
+* ``finished_recving`` is reported only for a request that waits in
+  WAITING_FOR_REMOTE_KVS (``Recv.awaiting``), exactly once, when the reader's
+  verdict is in: ``ReadConfirmed`` (the holder answered HELD, so the blocks
+  were held through the read) or ``RequestFailed`` -- then also in
+  ``failed_recving`` and its local blocks in ``get_block_ids_with_load_errors``,
+  so vLLM recomputes the request (policy ``recompute``) or fails it
+  (``fail``); it is never decoded from unconfirmed blocks.
+* A request aborted while its read is in flight is reported only once the
+  read has ended (its verdict), so no READ can land in blocks vLLM reused.
+* A failure before the blocks were allocated (handshake refused, lease lost
+  while queued) is remembered and reported when the ``Recv`` arrives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import cast
+
+from kvproto.errors import LocalProtocolError
+from kvproto.events import ReadDeclined, RequestFailed
+from kvproto.reader import Reader
+from kvproto.tpmath import target_remote_ranks
+from kvproto.transport import TransportError
+from kvproto_transports.binding import Endpoint, StepResult
+from kvproto_transports.sidechannel import (
+    CompatMismatch,
+    HandshakeClient,
+    HandshakeFailed,
+    HandshakeSucceeded,
+)
+
+from .metadata import Recv, Track
+
+log = logging.getLogger("vllm.kvproto_connector.reader")
+
+
+@dataclass(slots=True)
+class _Read:
+    recv: Recv
+    started: bool = False
+    aborted: bool = False
+
+
+@dataclass(slots=True)
+class ReaderCounters:
+    """Adapter-level counters of the reader half (the core keeps the protocol ones)."""
+
+    finished_recving: int = 0
+    """Requests reported finished_recving (confirmed or failed)."""
+    failed_recving: int = 0
+    """Requests reported failed_recving (recomputed by vLLM)."""
+    handshake_failures: int = 0
+    """Side-channel handshakes that failed (after retries)."""
+    compat_mismatches: int = 0
+    """Of those, refused because the engines' compat hashes differ."""
+    track_errors: int = 0
+    """Tracks the reader refused (duplicate id)."""
+    read_errors: int = 0
+    """Reads the transport refused synchronously (layout mismatch...)."""
+
+
+class ReaderSide:
+    """The reader half of one worker rank."""
+
+    def __init__(
+        self,
+        reader: Reader,
+        client: HandshakeClient,
+        *,
+        record: Callable[[str, str, str], None],
+    ) -> None:
+        self.reader = reader
+        self.client = client
+        self.endpoint: Endpoint | None = None
+        self.counters = ReaderCounters()
+        self._record = record
+        self._holders: dict[str, tuple[str, int]] = {}
+        self._holder_tp: dict[str, int] = {}
+        self._reads: dict[str, _Read] = {}
+        self._verdicts: dict[str, str | None] = {}
+        self._recving: set[str] = set()
+        self._failed: set[str] = set()
+        self._bad_blocks: set[int] = set()
+
+    # ------------------------------------------------------------ orders
+
+    def apply(
+        self, now: float, tracks: list[Track], recvs: list[Recv], finishes: list[str]
+    ) -> None:
+        """This step's orders from the scheduler, in their causal order."""
+        for track in tracks:
+            self._holders[track.ticket.holder_engine] = (track.host, track.port)
+            try:
+                self.reader.track(now, request_id=track.request_id, ticket=track.ticket)
+            except LocalProtocolError as exc:
+                self.counters.track_errors += 1
+                log.error("request %s not tracked: %s", track.request_id, exc)
+                self._verdicts[track.request_id] = "track-refused"
+                continue
+            self._holder_tp[track.request_id] = track.ticket.holder_tp_size
+            self._record("tracked", track.request_id, f"lease {track.ticket.lease}")
+        for recv in recvs:
+            rid = recv.request_id
+            if rid in self._verdicts:
+                # Failed while it waited for blocks (or never tracked): report now.
+                reason = self._verdicts.pop(rid)
+                self._reads[rid] = _Read(recv, started=True)
+                self._resolve(now, rid, failure=reason or "failed-before-read")
+                continue
+            self._reads[rid] = _Read(recv)
+        for rid in finishes:
+            self._finish(now, rid)
+
+    def _finish(self, now: float, rid: str) -> None:
+        read = self._reads.get(rid)
+        if read is not None and read.started:
+            read.aborted = True  # report when its read has ended
+            return
+        self._verdicts.pop(rid, None)
+        self._reader_finish(now, rid)
+        if read is not None:
+            del self._reads[rid]
+            if read.recv.awaiting:
+                # vLLM delayed the free of an aborted WAITING_FOR_REMOTE_KVS request
+                # until we report it; nothing was read into its blocks.
+                self._recving.add(rid)
+                self.counters.finished_recving += 1
+            self._record("aborted", rid, "before read")
+
+    def _reader_finish(self, now: float, rid: str) -> None:
+        self._holder_tp.pop(rid, None)
+        # Not tracked (bad ticket) or already finished: nothing to stop.
+        with contextlib.suppress(LocalProtocolError):
+            self.reader.finish(now, rid)
+
+    # ------------------------------------------------------------ the loop
+
+    def poll_handshakes(self, now: float) -> None:
+        assert self.endpoint is not None
+        for res in self.client.poll_results():
+            engine, rank = cast(tuple[str, int], res.peer_key)
+            if isinstance(res, HandshakeSucceeded):
+                try:
+                    self.endpoint.connected(
+                        now, engine=engine, rank=rank, metadata=res.reply.metadata
+                    )
+                    self._record("connected", engine, f"rank {rank}, {res.attempts} attempt(s)")
+                    continue
+                except (TransportError, LocalProtocolError) as exc:
+                    log.error("holder %s rank %d: unusable metadata: %s", engine, rank, exc)
+            else:
+                self._handshake_failed(res)
+            self.endpoint.connect_failed(now, engine=engine, rank=rank)
+
+    def _handshake_failed(self, res: HandshakeFailed) -> None:
+        self.counters.handshake_failures += 1
+        engine, rank = cast(tuple[str, int], res.peer_key)
+        if isinstance(res.error, CompatMismatch):
+            self.counters.compat_mismatches += 1
+            log.error(
+                "KV handshake with prefill engine %s (rank %d at %s:%d) refused: the engines "
+                "are not compatible (%s). They must run the same vLLM and model -- loaded from "
+                "the same path --, dtype, KV cache dtype and block size. Its requests are "
+                "recomputed locally.",
+                engine,
+                rank,
+                res.host,
+                res.port,
+                res.error,
+            )
+            self._record("handshake-failed", engine, "compat-mismatch")
+        else:
+            log.warning(
+                "KV handshake with prefill engine %s (rank %d at %s:%d) failed after %d "
+                "attempt(s): %s; its requests are recomputed locally",
+                engine,
+                rank,
+                res.host,
+                res.port,
+                res.attempts,
+                res.reason,
+            )
+            self._record("handshake-failed", engine, type(res.error).__name__)
+
+    def on_result(self, now: float, result: StepResult) -> None:
+        for connect in result.connects:
+            host, port = self._holders.get(connect.engine, ("", 0))
+            key: Hashable = (connect.engine, connect.rank)
+            if not host:
+                assert self.endpoint is not None
+                self.endpoint.connect_failed(now, engine=connect.engine, rank=connect.rank)
+                continue
+            self.client.submit(key, host, port + connect.rank, connect.rank)
+        for failed in result.failed:
+            self._failed_request(now, failed)
+        for rid in result.confirmed:
+            self._resolve(now, rid, failure=None)
+
+    def _failed_request(self, now: float, failed: RequestFailed) -> None:
+        rid = failed.request_id
+        if rid in self._reads:
+            self._resolve(now, rid, failure=failed.reason.value)
+        else:
+            self._verdicts[rid] = failed.reason.value
+            self._record("failed", rid, failed.reason.value + " (queued)")
+
+    def start_ready_reads(self, now: float) -> bool:
+        """Issue every planned read whose holder sessions are open; whether any started."""
+        assert self.endpoint is not None
+        started = False
+        for rid, read in list(self._reads.items()):
+            if read.started:
+                continue
+            try:
+                if not self.reader.ready_to_read(rid):
+                    continue
+            except LocalProtocolError:
+                read.started = True
+                self._resolve(now, rid, failure="not-tracked")
+                continue
+            read.started = True
+            started = True
+            try:
+                decision = self.endpoint.start_read(
+                    now,
+                    rid,
+                    local_blocks=read.recv.local_block_ids,
+                    remote_blocks=read.recv.remote_block_ids,
+                )
+            except (TransportError, LocalProtocolError) as exc:
+                # The binding only absorbs unreachable peers; a layout or registration
+                # mismatch surfaces here. Fail the request rather than the step.
+                self.counters.read_errors += 1
+                log.error("request %s: read refused: %s", rid, exc)
+                self._fail_parts(now, rid)
+                continue
+            if isinstance(decision, ReadDeclined):
+                self._record("declined", rid, decision.reason.value)
+        return started
+
+    def _fail_parts(self, now: float, rid: str) -> None:
+        ranks: list[int] = []
+        try:
+            ticket_tp = self._ticket_tp(rid)
+            ranks = target_remote_ranks(self.reader.rank, self.reader.tp_size, ticket_tp)
+        except LocalProtocolError:
+            pass
+        for rank in ranks:
+            try:
+                self.reader.read_failed(now, rid, rank)
+            except LocalProtocolError:
+                continue
+        if not ranks:
+            self._resolve(now, rid, failure="read-failed")
+
+    def _ticket_tp(self, rid: str) -> int:
+        tp = self._holder_tp.get(rid)
+        if tp is None:
+            raise LocalProtocolError(f"request {rid!r} is not tracked")
+        return tp
+
+    def _resolve(self, now: float, rid: str, *, failure: str | None) -> None:
+        read = self._reads.pop(rid, None)
+        if read is None:
+            return
+        if read.aborted:
+            self._reader_finish(now, rid)
+        if failure is None:
+            self._record("confirmed", rid, f"{len(read.recv.local_block_ids)} blocks")
+        else:
+            self._record("failed", rid, failure)
+        if not read.recv.awaiting:
+            return  # full local hit: the request never waited for us
+        self._recving.add(rid)
+        self.counters.finished_recving += 1
+        if failure is not None and not read.aborted:
+            self._failed.add(rid)
+            self._bad_blocks.update(read.recv.local_block_ids)
+            self.counters.failed_recving += 1
+
+    # ------------------------------------------------------------ reporting
+
+    def take(self) -> tuple[set[str], set[str]]:
+        """(finished_recving, failed_recving) for this step."""
+        out = (self._recving, self._failed)
+        self._recving, self._failed = set(), set()
+        return out
+
+    def take_bad_blocks(self) -> set[int]:
+        """Local blocks of failed reads (vLLM's get_block_ids_with_load_errors)."""
+        out, self._bad_blocks = self._bad_blocks, set()
+        return out
+
+    def pending(self) -> int:
+        """Planned reads without a verdict yet."""
+        return len(self._reads)

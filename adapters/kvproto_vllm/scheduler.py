@@ -1,0 +1,114 @@
+"""The scheduler-side connector: the producer and/or consumer halves, and the step metadata.
+
+Runs in the engine-core process on the scheduler's thread. It holds no lease
+core: it mints tickets (P) and forwards request events (D) to the workers,
+whose NIXL agents receive the lease frames.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from .compat import side_channel_address, transfer_tp_size
+from .config import AdapterConfig
+from .consumer import Consumer
+from .metadata import KvprotoMetadata
+from .producer import Producer
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.request import Request
+
+log = logging.getLogger("vllm.kvproto_connector.scheduler")
+
+
+class SchedulerSide:
+    """Scheduler half of one engine (producer, consumer, or both for ``kv_both``)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        cfg: AdapterConfig,
+        *,
+        engine_id: str,
+        producer: bool,
+        consumer: bool,
+    ) -> None:
+        self.cfg = cfg
+        self.producer: Producer | None = None
+        self.consumer: Consumer | None = None
+        if producer:
+            host, port = side_channel_address(vllm_config)
+            parallel = vllm_config.parallel_config
+            self.producer = Producer(
+                cfg.lease,
+                engine_id=engine_id,
+                tp_size=transfer_tp_size(vllm_config),
+                host=host,
+                port=port,
+                dcp_size=int(parallel.decode_context_parallel_size),
+                pp_size=int(parallel.pipeline_parallel_size),
+            )
+        if consumer:
+            self.consumer = Consumer(recompute_threshold=cfg.kv_recompute_threshold)
+            transfer = vllm_config.kv_transfer_config
+            policy = getattr(transfer, "kv_load_failure_policy", "fail")
+            if policy != "recompute":
+                log.warning(
+                    "kv_load_failure_policy is %r: a read that kvproto fences (lease lost, "
+                    "holder unreachable, transfer failed) finishes its request with an error "
+                    'instead of recomputing it. Set "kv_load_failure_policy": "recompute" '
+                    "in --kv-transfer-config.",
+                    policy,
+                )
+
+    # ------------------------------------------------------------ vLLM hooks
+
+    def on_new_request(self, request: Request) -> None:
+        if self.consumer is not None:
+            self.consumer.on_new_request(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        if self.consumer is None:
+            return 0, False
+        return self.consumer.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        if self.consumer is not None:
+            self.consumer.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_meta(self) -> KvprotoMetadata:
+        meta = KvprotoMetadata()
+        if self.producer is not None:
+            meta.incarnation = self.producer.incarnation
+            meta.grants = self.producer.take_grants()
+        if self.consumer is not None:
+            meta.tracks, meta.recvs, meta.finishes = self.consumer.take()
+        return meta
+
+    def update_connector_output(self, finished_recving: set[str] | None) -> None:
+        if self.consumer is not None:
+            self.consumer.finished_recving(finished_recving)
+
+    def request_finished(
+        self, request: Request, block_ids: Sequence[Sequence[int]]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_decode"):
+            if self.producer is None:
+                log.warning(
+                    "request %s asks for remote decode but this engine is not a kv_producer",
+                    request.request_id,
+                )
+                return False, None
+            return self.producer.request_finished(request, block_ids)
+        if self.consumer is not None:
+            self.consumer.request_finished(request)
+        return False, None

@@ -1,0 +1,177 @@
+"""Lease counters and gauges through vLLM's connector stats and Prometheus hooks.
+
+Flow (vllm-api.md section 5): each worker's ``get_kv_connector_stats`` returns
+a :class:`KvprotoStats` holding the *deltas* of the core's counters since the
+last call plus the current gauges of that rank; vLLM aggregates ranks and
+steps with :meth:`KvprotoStats.aggregate`, the front end logs
+:meth:`KvprotoStats.reduce` and feeds :class:`KvprotoPromMetrics`. Counters
+add up; a gauge is the last value per rank, summed over ranks, so
+aggregating steps does not multiply it. Stats only flow while the engine
+steps and only with stats logging on (``disable_log_stats=False``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+
+GAUGES = frozenset(
+    {
+        "holder_leases_granted",
+        "holder_leases_held",
+        "holder_sessions",
+        "holder_tombstones",
+        "reader_pending_reads",
+    }
+)
+"""Snapshot keys that are levels, not counts."""
+
+PROM_PREFIX = "vllm:kvproto_"
+
+# What Prometheus exports: the decisions an operator watches. Other counters
+# still reach the periodic log line through reduce().
+PROM_COUNTERS: dict[str, str] = {
+    "holder_grants": "Leases granted by this prefill engine.",
+    "holder_released_done": "Leases freed because every reader finished.",
+    "holder_expired": "Leases freed because no heartbeat kept them alive.",
+    "holder_aborted": "Leases freed because the reader gave the request up.",
+    "holder_peer_lost": "Leases freed because the reader's transport peer was lost.",
+    "holder_revoked": "Leases revoked locally.",
+    "holder_max_hold": "Leases freed at the hard hold cap.",
+    "holder_late_done": "Done frames that arrived after the lease ended (reads fenced).",
+    "holder_bad_proof": "Frames with a wrong lease proof (refused).",
+    "holder_malformed": "Frames that did not parse (dropped).",
+    "holder_rate_limited": "Frames dropped by the per-peer rate limit.",
+    "holder_legacy_frames": "Stock NixlConnector text frames applied (interop mode).",
+    "holder_heartbeats": "Heartbeat frames applied.",
+    "reader_tracked": "Requests tracked from enqueue.",
+    "reader_heartbeats_sent": "Heartbeat frames sent.",
+    "reader_reads_confirmed": "Reads confirmed HELD by every holder rank.",
+    "reader_declined": "Reads not started because the lease might end first.",
+    "reader_fenced": "Reads discarded because the holder answered LATE or not at all.",
+    "reader_lost": "Requests failed because the holder no longer held the lease.",
+    "reader_failed_recving": "Requests reported to vLLM as failed loads (recomputed).",
+    "reader_handshake_failures": "Side-channel handshakes that failed.",
+    "reader_compat_mismatches": "Handshakes refused for incompatible engines.",
+}
+PROM_GAUGES: dict[str, str] = {
+    "holder_leases_granted": "Leases granted and not yet claimed by a reader.",
+    "holder_leases_held": "Leases claimed and kept alive by heartbeats.",
+    "holder_sessions": "Reader sessions of this prefill engine.",
+    "reader_pending_reads": "Planned reads without a verdict yet.",
+}
+
+
+class DeltaTracker:
+    """Turns cumulative snapshots into per-interval deltas (counters) and levels (gauges)."""
+
+    def __init__(self, rank_key: str) -> None:
+        self.rank_key = rank_key
+        self._last: dict[str, int] = {}
+        self._last_gauges: dict[str, int] | None = None
+
+    def delta(self, snapshot: dict[str, int]) -> KvprotoStats | None:
+        counters = {}
+        gauges = {}
+        for key, value in snapshot.items():
+            if key in GAUGES:
+                gauges[key] = value
+                continue
+            change = value - self._last.get(key, 0)
+            if change:
+                counters[key] = change
+            self._last[key] = value
+        if not counters and gauges == self._last_gauges:
+            return None
+        self._last_gauges = gauges
+        return KvprotoStats(data={"counters": counters, "gauges": {self.rank_key: gauges}})
+
+
+@dataclass
+class KvprotoStats(KVConnectorStats):
+    """``data = {"counters": {name: delta}, "gauges": {rank_key: {name: level}}}``."""
+
+    def __post_init__(self) -> None:
+        self.data.setdefault("counters", {})
+        self.data.setdefault("gauges", {})
+
+    def reset(self) -> None:
+        self.data = {"counters": {}, "gauges": {}}
+
+    def aggregate(self, other: KVConnectorStats) -> KvprotoStats:
+        counters = dict(self.data.get("counters", {}))
+        for key, value in other.data.get("counters", {}).items():
+            counters[key] = counters.get(key, 0) + value
+        gauges = {k: dict(v) for k, v in self.data.get("gauges", {}).items()}
+        gauges.update({k: dict(v) for k, v in other.data.get("gauges", {}).items()})
+        self.data = {"counters": counters, "gauges": gauges}
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {}
+        for key, value in sorted(self.data.get("counters", {}).items()):
+            out[key] = value
+        for key, value in sorted(self.gauge_totals().items()):
+            out[key] = value
+        return out
+
+    def gauge_totals(self) -> dict[str, int]:
+        """Each gauge summed over ranks."""
+        totals: dict[str, int] = {}
+        for per_rank in self.data.get("gauges", {}).values():
+            for key, value in per_rank.items():
+                totals[key] = totals.get(key, 0) + value
+        return totals
+
+    def is_empty(self) -> bool:
+        return not self.data.get("counters") and not self.data.get("gauges")
+
+
+class KvprotoPromMetrics(KVConnectorPromMetrics):
+    """``vllm:kvproto_*`` counters and gauges, one child per engine."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        from vllm.v1.metrics.utils import create_metric_per_engine
+
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: dict[str, dict[int, Any]] = {}
+        for name, doc in PROM_COUNTERS.items():
+            metric = self._counter_cls(
+                name=PROM_PREFIX + name, documentation=doc, labelnames=labelnames
+            )
+            self._counters[name] = create_metric_per_engine(metric, per_engine_labelvalues)
+        self._gauges: dict[str, dict[int, Any]] = {}
+        for name, doc in PROM_GAUGES.items():
+            # vLLM's Gauge class takes multiprocess_mode; the generic type hides it.
+            gauge_cls: Any = self._gauge_cls
+            metric = gauge_cls(
+                name=PROM_PREFIX + name,
+                documentation=doc,
+                labelnames=labelnames,
+                multiprocess_mode="mostrecent",
+            )
+            self._gauges[name] = create_metric_per_engine(metric, per_engine_labelvalues)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        stats = KvprotoStats(data=dict(transfer_stats_data))
+        for key, value in stats.data["counters"].items():
+            children = self._counters.get(key)
+            if children is not None and value > 0 and engine_idx in children:
+                children[engine_idx].inc(value)
+        for key, value in stats.gauge_totals().items():
+            children = self._gauges.get(key)
+            if children is not None and engine_idx in children:
+                children[engine_idx].set(value)

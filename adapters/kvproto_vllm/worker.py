@@ -1,0 +1,288 @@
+"""The worker-side connector: one NIXL transport, one binding Endpoint, the lease cores.
+
+Lifecycle (vLLM calls, all on the worker's execution thread, never concurrently):
+
+* ``register_kv_caches`` -- the KV tensors become one
+  :class:`~kvproto.tpmath.BlockLayout` registered with a
+  :class:`~kvproto_transports.nixl.NixlTransport` (no progress thread: it
+  would spin a core per agent; the engine polls every step instead, see
+  spec/nixl-transport.md section 1). A producer opens its side-channel server
+  here (serving this rank's metadata and taking readers' introductions); a
+  consumer creates its Reader and handshake client.
+* every step: ``start_load_kv`` applies the scheduler's orders and pumps;
+  ``get_transfer_results`` pumps again and reports. A pump = add introduced
+  readers, apply finished handshakes, :meth:`Endpoint.step` (poll NIXL, feed
+  the cores, run their timers, send their frames), issue reads that became
+  possible.
+
+Bad peer input never raises out of a step: the cores drop and count it, the
+binding absorbs unreachable peers, and this module catches what is left
+(metadata, layout) and fails the affected request instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections import deque
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+from kvproto.reader import Reader
+from kvproto.transport import TransportError
+from kvproto_transports.binding import Endpoint
+
+from .compat import compat_factors, compat_hash, side_channel_address, transfer_tp_size
+from .config import AdapterConfig
+from .holder_side import HolderSide
+from .metadata import KvprotoMetadata
+from .reader_side import ReaderSide
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+
+    from kvproto_transports.nixl import NixlTransport
+    from kvproto_transports.sidechannel import SideChannelServer
+
+log = logging.getLogger("vllm.kvproto_connector.worker")
+
+_EVENTS_KEPT = 512
+
+
+class WorkerSide:
+    """Everything one worker rank runs for the connector."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        cfg: AdapterConfig,
+        *,
+        engine_id: str,
+        num_blocks: int,
+        producer: bool,
+        consumer: bool,
+    ) -> None:
+        self.cfg = cfg
+        self.engine_id = engine_id
+        self.num_blocks = num_blocks
+        self.producer = producer
+        self.consumer = consumer
+        self.tp_size = transfer_tp_size(vllm_config)
+        self.rank = _tp_rank()
+        self.compat = compat_hash(compat_factors(vllm_config))
+        self.host, self.base_port = side_channel_address(vllm_config)
+        self.transport: NixlTransport | None = None
+        self.server: SideChannelServer | None = None
+        self.endpoint: Endpoint | None = None
+        self.holder_side: HolderSide | None = None
+        self.reader_side: ReaderSide | None = None
+        self.events: deque[tuple[float, str, str, str]] = deque(maxlen=_EVENTS_KEPT)
+        """(monotonic time, kind, request or engine id, detail): recent decisions, for
+        operators' debugging and the tests."""
+        self.intro_errors = 0
+        """Introductions whose metadata the transport refused."""
+        self._kv_tensors: list[torch.Tensor] = []
+        self._closed = False
+
+    def record(self, kind: str, subject: str, detail: str) -> None:
+        self.events.append((time.monotonic(), kind, subject, detail))
+
+    # ------------------------------------------------------------ setup
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from kvproto_transports.nixl import NixlTransport, layout_from_tensors
+        from kvproto_transports.sidechannel import HandshakeClient, SideChannelServer
+
+        tensors = _unique_tensors(kv_caches)
+        split = _is_split_kv(tensors[0], self.num_blocks)
+        layout = layout_from_tensors(tensors, split_k_and_v=split)
+        # NIXL keeps raw addresses: the tensors must outlive the registration.
+        self._kv_tensors = tensors
+        transport = NixlTransport(
+            name_prefix=f"kvproto-{self.engine_id[:12]}-r{self.rank}",
+            backends=self.cfg.backends,
+            progress_thread=False,
+            auto_probe_interval_s=self.cfg.probe_interval_s,
+        )
+        transport.register_blocks(layout)
+        self.transport = transport
+        log.info(
+            "rank %d: registered %d KV regions x %d blocks (%s, block %d B) with NIXL agent %s",
+            self.rank,
+            layout.num_regions,
+            layout.num_blocks,
+            "split K/V" if split else "joined",
+            layout.block_lens[0],
+            transport.local_peer,
+        )
+        if self.producer:
+            self.holder_side = HolderSide(
+                self.cfg.lease,
+                engine_id=self.engine_id,
+                rank=self.rank,
+                tp_size=self.tp_size,
+                record=self.record,
+            )
+            self.server = SideChannelServer(
+                host=self.host,
+                base_port=self.base_port + self.rank,
+                compat_hash=self.compat,
+                secret=self.cfg.side_channel_secret,
+            )
+            self.server.set_metadata(self.rank, transport.metadata())
+            log.info("rank %d: side channel on %s:%d", self.rank, self.host, self.server.port)
+        if self.consumer:
+            reader = Reader(
+                self.cfg.lease,
+                engine=self.engine_id,
+                incarnation=secrets.randbits(63),
+                rank=self.rank,
+                tp_size=self.tp_size,
+            )
+            client = HandshakeClient(
+                requester=f"{self.engine_id}/{self.rank}",
+                compat_hash=self.compat,
+                secret=self.cfg.side_channel_secret,
+                requester_metadata=transport.metadata(),
+                timeout_s=self.cfg.handshake_timeout_s,
+                max_attempts=self.cfg.handshake_attempts,
+            )
+            self.reader_side = ReaderSide(reader, client, record=self.record)
+            if not self.producer:
+                self._make_endpoint()
+
+    def _make_endpoint(self) -> None:
+        assert self.transport is not None
+        holder = self.holder_side.holder if self.holder_side is not None else None
+        reader = self.reader_side.reader if self.reader_side is not None else None
+        self.endpoint = Endpoint(self.transport, holder=holder, reader=reader)
+        if self.reader_side is not None:
+            self.reader_side.endpoint = self.endpoint
+
+    # ------------------------------------------------------------ per step
+
+    def start_load_kv(self, meta: KvprotoMetadata | None) -> None:
+        if self.transport is None or self._closed:
+            return
+        self.transport.adopt_current_thread()
+        now = time.monotonic()
+        if meta is not None:
+            if self.holder_side is not None and meta.incarnation is not None:
+                self.holder_side.ensure(meta.incarnation)
+                if self.endpoint is None:
+                    self._make_endpoint()
+                self.holder_side.adopt(now, meta.grants)
+            elif meta.grants and self.holder_side is not None:
+                self.holder_side.adopt(now, meta.grants)  # refused: freed at once
+            if self.reader_side is not None:
+                self.reader_side.apply(now, meta.tracks, meta.recvs, meta.finishes)
+        self._pump(now)
+
+    def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving) for this step."""
+        if self.transport is None or self._closed:
+            return set(), set(), set()
+        self.transport.adopt_current_thread()
+        self._pump(time.monotonic())
+        sending = self.holder_side.take_sending() if self.holder_side is not None else set()
+        recving, failed = (
+            self.reader_side.take() if self.reader_side is not None else (set(), set())
+        )
+        return sending, recving, failed
+
+    def take_bad_blocks(self) -> set[int]:
+        return self.reader_side.take_bad_blocks() if self.reader_side is not None else set()
+
+    def _pump(self, now: float) -> None:
+        assert self.transport is not None
+        if self.server is not None:
+            for intro in self.server.poll_introductions():
+                try:
+                    self.transport.add_peer(intro.metadata)
+                except TransportError as exc:
+                    self.intro_errors += 1
+                    log.warning("introduction from %s refused: %s", intro.requester, exc)
+        if self.endpoint is None:
+            return
+        if self.reader_side is not None:
+            self.reader_side.poll_handshakes(now)
+        self._step(now)
+        if self.reader_side is not None and self.reader_side.start_ready_reads(now):
+            self._step(now)  # declined reads and notify-only completions, this step
+
+    def _step(self, now: float) -> None:
+        assert self.endpoint is not None
+        result = self.endpoint.step(now)
+        if self.holder_side is not None:
+            self.holder_side.on_freed(result.freed)
+        if self.reader_side is not None:
+            self.reader_side.on_result(now, result)
+
+    # ------------------------------------------------------------ stats, end
+
+    def stats_snapshot(self) -> dict[str, int]:
+        """Cumulative counters and current gauges of this rank, flat names."""
+        snap: dict[str, int] = {}
+        if self.holder_side is not None and self.holder_side.holder is not None:
+            for key, value in self.holder_side.holder.stats_snapshot().items():
+                snap[f"holder_{key}"] = value
+            snap["holder_bad_grants"] = self.holder_side.bad_grants
+        if self.reader_side is not None:
+            for key, value in self.reader_side.reader.stats.snapshot().items():
+                snap[f"reader_{key}"] = value
+            for key, value in asdict(self.reader_side.counters).items():
+                snap[f"reader_{key}"] = value
+            snap["reader_pending_reads"] = self.reader_side.pending()
+        if self.endpoint is not None:
+            for key, value in asdict(self.endpoint.stats).items():
+                snap[f"binding_{key}"] = value
+        snap["worker_intro_errors"] = self.intro_errors
+        return snap
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.server is not None:
+            self.server.close()
+        if self.reader_side is not None:
+            self.reader_side.client.close()
+        if self.transport is not None:
+            try:
+                self.transport.adopt_current_thread()
+                self.transport.close()
+            except TransportError as exc:
+                log.warning("closing the NIXL transport: %s", exc)
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except (AssertionError, RuntimeError, ImportError):
+        return 0  # no TP group (a unit test building the worker directly)
+
+
+def _unique_tensors(kv_caches: dict[str, Any]) -> list[torch.Tensor]:
+    """Per-layer tensors in layer order, each once (layers may share one cache)."""
+    seen: set[int] = set()
+    out = []
+    for tensor in kv_caches.values():
+        ptr = int(tensor.data_ptr())
+        if ptr in seen:
+            continue
+        seen.add(ptr)
+        out.append(tensor)
+    if not out:
+        raise ValueError("no KV cache tensors to register")
+    return out
+
+
+def _is_split_kv(tensor: torch.Tensor, num_blocks: int) -> bool:
+    """FlashAttention-style ``[2, num_blocks, ...]`` (K and V separate) or joined
+    ``[num_blocks, ...]`` (the CPU backend packs K|V inside each block)."""
+    shape = tuple(tensor.shape)
+    return len(shape) >= 2 and shape[0] == 2 and shape[1] == num_blocks and num_blocks != 2
