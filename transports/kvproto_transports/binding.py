@@ -52,6 +52,7 @@ from kvproto.transport import (
     ReadId,
     Received,
     Transport,
+    TransportError,
     UnknownPeer,
 )
 
@@ -91,6 +92,8 @@ class BindingStats:
     """Sends the transport refused because the peer is unreachable or unknown."""
     oversize_sends: int = 0
     """Frames the transport refused as too large (a sizing bug: they are never truncated)."""
+    dropped_sends: int = 0
+    """Frames the transport refused for another reason (back-pressure); the protocol repeats."""
     unroutable: int = 0
     """Frames for a role this endpoint does not host."""
 
@@ -261,6 +264,11 @@ class Endpoint:
             self.stats.send_failures += 1
             log.info("send to %s failed (%s): treating the peer as lost", out.peer, exc)
             self._peer_lost(now, out.peer)
+        except TransportError as exc:
+            # Back-pressure and the like: the frame is dropped. The protocol tolerates loss
+            # (changes repeat until acknowledged, an unacknowledged done fences the read).
+            self.stats.dropped_sends += 1
+            log.warning("send to %s dropped: %s", out.peer, exc)
 
     def _need_reader(self) -> Reader:
         if self.reader is None:
