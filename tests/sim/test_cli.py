@@ -99,5 +99,5 @@ def test_the_readme_command_runs_everything() -> None:
                          cwd=ROOT, capture_output=True, text=True).stdout
     assert f"= {len(SCENARIOS) * len(POLICIES)} run(s)" in out
     for scenario in SCENARIOS:
-        assert f"{scenario} (" in out  # its conclusion line
+        assert f"{scenario} - " in out  # its conclusion line
     assert "kvproto: no oracle violation" in out

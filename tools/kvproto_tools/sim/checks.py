@@ -94,6 +94,7 @@ def l1_bound(sim: Simulator, hold: Hold) -> float:
 
 
 def check_l1(sim: Simulator, hold: Hold) -> None:
+    """L1 at the bound's time: the dead reader's hold must have ended."""
     if hold.ended_at is not None:
         return
     bound = l1_bound(sim, hold)
@@ -109,6 +110,7 @@ def check_l1(sim: Simulator, hold: Hold) -> None:
 
 
 def check_l2(sim: Simulator, req: Req, copied: float) -> None:
+    """L2: a read whose data arrived must be used or failed by now."""
     if req.state is ReqState.READING and req.reader is not None and req.reader.alive:
         sim.violate(
             "liveness", "L2 read unresolved",

@@ -225,6 +225,7 @@ class Simulator:
         self.rec.violate(mode, kind, self.t, detail)
 
     def prefill_time(self, tokens: int) -> float:
+        """Seconds one prefill step takes for ``tokens`` prompt tokens."""
         return self.settings.prefill_base + tokens * self.settings.prefill_per_token
 
     def start_engine(self, eng: EngineState) -> None:
@@ -302,6 +303,7 @@ class Simulator:
             binding_log.setLevel(level)
 
     def _run(self, started: float) -> RunResult:
+        """The event loop: merge the network's queue and ours, in time order."""
         sc = self.scenario
         for a in self.arrivals:
             self.open_requests += 1
@@ -334,6 +336,7 @@ class Simulator:
         return self._finish(time.perf_counter() - started)
 
     def _finish(self, wall: float) -> RunResult:
+        """Close the books: open holds, reclaim time, the result."""
         end = self.t
         for eng in self.engines.values():
             for hold in list(eng.holds.values()):
@@ -364,6 +367,7 @@ class Simulator:
         )
 
     def _wake(self, eng: EngineState) -> None:
+        """One step boundary of ``eng``: handshakes, frames, timers, work, oracles."""
         t = self.t
         if t == eng.last_wake:
             eng.wakes_at_last += 1

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 
 
 def schedule_faults(sim: Simulator, sc: Scenario) -> None:
+    """Put the scenario's faults on the timeline."""
     if sc.decode_crash is not None:
         name, when = sc.decode_crash
         sim.faults_pending += 1
@@ -31,6 +32,7 @@ def schedule_faults(sim: Simulator, sc: Scenario) -> None:
 
 
 def cut(sim: Simulator, a: str, b: str, *, heal: bool) -> None:
+    """Partition (or heal) every link between two engines' ranks."""
     sim.faults_pending -= 1
     ea, eb = sim.engines[a], sim.engines[b]
     for ra in range(ea.tp):
@@ -43,6 +45,7 @@ def cut(sim: Simulator, a: str, b: str, *, heal: bool) -> None:
 
 
 def kill(sim: Simulator, eng: EngineState) -> None:
+    """``kill -9``: endpoints, memory and queued work of ``eng`` vanish at once."""
     eng.alive = False
     eng.next_wake = None
     for tr in eng.transports:
@@ -72,6 +75,7 @@ def kill(sim: Simulator, eng: EngineState) -> None:
 
 
 def crash_reader(sim: Simulator, eng: EngineState) -> None:
+    """A decoder dies for good; remember what it was going to read (reclaim_s, L1)."""
     sim.faults_pending -= 1
     sim.note(f"kill -9 {eng.name}")
     sim.crash_time = sim.t
@@ -87,12 +91,14 @@ def crash_reader(sim: Simulator, eng: EngineState) -> None:
 
 
 def crash_holder(sim: Simulator, eng: EngineState) -> None:
+    """A prefill engine dies (it restarts later)."""
     sim.faults_pending -= 1
     sim.note(f"kill -9 {eng.name} (restarts later)")
     kill(sim, eng)
 
 
 def restart(sim: Simulator, eng: EngineState) -> None:
+    """The engine comes back as a new incarnation: new endpoints, empty memory."""
     sim.faults_pending -= 1
     sim.start_engine(eng)
     sim.note(f"{eng.name} restarted as incarnation {eng.incarnation}")

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 
 def route(sim: Simulator, engines: list[EngineState], preferred: int) -> EngineState | None:
+    """The first live engine from ``preferred`` on (the router skips dead ones)."""
     n = len(engines)
     for i in range(n):
         eng = engines[(preferred + i) % n]
@@ -33,6 +34,7 @@ def route(sim: Simulator, engines: list[EngineState], preferred: int) -> EngineS
 
 
 def prefill_arrival(sim: Simulator, a: Arrival) -> None:
+    """A client request reaches the prefill tier: queue it at a live P."""
     eng = route(sim, sim.prefill, a.prefill)
     if eng is None:
         sim.open_requests -= 1
@@ -43,6 +45,7 @@ def prefill_arrival(sim: Simulator, a: Arrival) -> None:
 
 
 def prefill_work(sim: Simulator, eng: EngineState, now: float) -> None:
+    """Finish the running prefill (grant its blocks) and start the next one."""
     t = sim.t
     if eng.current is not None and eng.busy_until is not None and t >= eng.busy_until:
         done, blocks = eng.current
@@ -152,6 +155,7 @@ def end_hold(sim: Simulator, hold: Hold, *, lost: bool) -> None:
 
 
 def held(sim: Simulator, delta: int) -> None:
+    """Blocks held by holders changed by ``delta`` (the plotted timeline)."""
     sim.held_blocks += delta
     if sim.record_timeline:
         sim.timeline.append((sim.t, sim.held_blocks))
@@ -164,6 +168,7 @@ def mark_dead(hold: Hold, t: float) -> None:
 
 
 def reader_arrival(sim: Simulator, req: Req) -> None:
+    """The request reaches its reader engine: queue it for tracking at the next step."""
     reader = req.reader
     if req.state is not ReqState.TRANSIT or reader is None:
         return
@@ -179,6 +184,7 @@ def reader_arrival(sim: Simulator, req: Req) -> None:
 
 
 def reader_work(sim: Simulator, eng: EngineState, now: float) -> None:
+    """Track new arrivals; start the reads of requests whose queue wait is over."""
     side = eng.side
     arrivals, eng.arrivals = eng.arrivals, []
     for req in arrivals:
@@ -268,6 +274,7 @@ def use(sim: Simulator, req: Req) -> None:
 
 
 def bytes_ok(sim: Simulator, req: Req) -> bool:
+    """Whether every reader rank received exactly the bytes the holder wrote."""
     eng = req.reader
     assert eng is not None and req.local_blocks is not None
     content = req.hold.content
@@ -290,6 +297,7 @@ def fail(sim: Simulator, req: Req, reason: str) -> None:
 
 
 def resolve(sim: Simulator, req: Req) -> None:
+    """The request no longer needs the holder: tell the side, then decode or finish."""
     eng = req.reader
     assert eng is not None
     if not req.finished:
@@ -305,6 +313,7 @@ def resolve(sim: Simulator, req: Req) -> None:
 
 
 def release_local(sim: Simulator, req: Req) -> None:
+    """Free the reader-side blocks the request read into."""
     eng = req.reader
     if req.local_blocks is not None and eng is not None and eng.alive:
         eng.pool.release(req.local_blocks, req)
@@ -312,11 +321,13 @@ def release_local(sim: Simulator, req: Req) -> None:
 
 
 def request_done(sim: Simulator, req: Req) -> None:
+    """The request left the system."""
     sim.reqs.pop(req.key, None)
     sim.open_requests -= 1
 
 
 def lose(sim: Simulator, req: Req) -> None:
+    """The request died with an engine (not counted as recomputed)."""
     req.state = ReqState.LOST
     mark_dead(req.hold, sim.t)
     sim.extra["lost"] += 1
@@ -324,6 +335,7 @@ def lose(sim: Simulator, req: Req) -> None:
 
 
 def decode_done(sim: Simulator, req: Req) -> None:
+    """Decoding ended: free the blocks, or keep them as turn-2 blocks for the client."""
     eng = req.reader
     assert eng is not None
     if req.key not in sim.reqs or not eng.alive:
@@ -357,6 +369,7 @@ def decode_done(sim: Simulator, req: Req) -> None:
 
 
 def client_returns(sim: Simulator, req: Req) -> None:
+    """The client sends turn 2: a prefill engine will read the decoder's blocks."""
     reader = route(sim, sim.prefill, req.arrival.turn2_prefill)
     if reader is None:
         lose(sim, req)

@@ -10,6 +10,7 @@ if TYPE_CHECKING:
 
 
 def resolve_engine(sim: Simulator, engine_id: str) -> tuple[EngineState | None, int | None]:
+    """(engine, incarnation) for an engine id (kvproto: name; vLLM: name.incarnation)."""
     name, _, inc = engine_id.partition(".")
     eng = sim.engines.get(name)
     return eng, (int(inc) if inc else None)

@@ -153,8 +153,13 @@ def conclusions(rows: Sequence[Row]) -> list[str]:
             f"{r.policy} ({_fmt('overlapped_reads', r.values['overlapped_reads'])})"
             for r in group if (r.values["overlapped_reads"] or 0) > 0
         ]
-        verdict = "used freed blocks: " + (", ".join(unsafe) if unsafe else "nobody")
-        out.append(f"[cyan]{scenario}[/cyan] ({sc.summary}): {label}: {figures}; {verdict}.")
+        if key == "overlapped_reads":
+            verdict = "silent corruption: " + (", ".join(unsafe) if unsafe else "none")
+            line = f"{label}: {figures} ({verdict})."
+        else:
+            verdict = "used freed blocks: " + (", ".join(unsafe) if unsafe else "nobody")
+            line = f"{label}: {figures}; {verdict}."
+        out.append(f"[cyan]{scenario}[/cyan] - {sc.summary}\n      {line}")
     return out
 
 
