@@ -37,6 +37,11 @@ class LeaseParams(msgspec.Struct, frozen=True, array_like=True):
     """Heartbeat interval the reader must keep, seconds."""
     extension: float
     """How far past its arrival a heartbeat pushes the deadline, seconds."""
+    max_hold: float | None = None
+    """Hard cap on a lease's hold time from its grant, seconds (None: not advertised).
+
+    Without it a reader could not know that a lease it keeps renewing ends at
+    grant + max_hold anyway, and its pre-read deadline bound would exceed the truth."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -136,6 +141,7 @@ class LeaseConfig:
             duration=self.kv_lease_duration,
             interval=self.heartbeat_interval,
             extension=self.lease_extension,
+            max_hold=self.max_hold,
         )
 
     @property

@@ -691,8 +691,23 @@ class Reader:
         part = req.parts[rank]
         bound = max(part.lower_bound, self._ticket_bound(req, session, now))
         if part.claimed_seq <= session.in_sync_seq and session.params is not None:
-            bound = max(bound, session.in_sync_since + session.params.extension * (1 - self._drift))
+            renewed = session.in_sync_since + session.params.extension * (1 - self._drift)
+            # The session renews the lease, but never past the holder's hard cap.
+            bound = max(bound, min(renewed, self._hard_bound(req, session, now)))
         return bound
+
+    def _hard_bound(self, req: _Request, session: _Session, now: float) -> float:
+        """Earliest local time the holder's max_hold can end the lease (inf if unknown)."""
+        params = session.params
+        max_hold = params.max_hold if params is not None else None
+        if max_hold is None:
+            max_hold = req.ticket.params.max_hold
+        if max_hold is None or not session.skew.known:
+            return math.inf if max_hold is None else -math.inf
+        # The ticket was minted at deadline - expires_in (issuer's clock); the holder
+        # adopted it then or later, so its hard cap is at least that plus max_hold.
+        granted = req.ticket.deadline - req.ticket.expires_in
+        return session.skew.peer_deadline_to_local(granted + max_hold, now)
 
     def _ticket_bound(self, req: _Request, session: _Session, now: float) -> float:
         """The ticket's deadline in local time, conservatively; -inf without a clock sample."""

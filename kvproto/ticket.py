@@ -103,6 +103,8 @@ def ticket_problem(ticket: LeaseTicket) -> str | None:
         return f"holder TP size {ticket.holder_tp_size} outside 1..{MAX_HOLDER_TP}"
     if not all(math.isfinite(t) for t in times):
         return "non-finite time"
+    if p.max_hold is not None and not (math.isfinite(p.max_hold) and p.max_hold > 0):
+        return "max_hold must be a positive number of seconds"
     if not 1 <= p.interval < p.extension <= p.duration:
         return "lease parameters are nonsense"
     if ticket.expires_in <= 0:

@@ -261,6 +261,8 @@ def _validate(msg: Message) -> None:
                 raise RemoteProtocolError("nonce must be 16 bytes")
             p = msg.params
             _check_finite(msg.clock, p.duration, p.interval, p.extension)
+            if p.max_hold is not None:
+                _check_finite(p.max_hold)
             if not 0 < p.interval < p.extension:
                 raise RemoteProtocolError("advertised lease parameters are nonsense")
     elif isinstance(msg, DoneAck):
