@@ -70,6 +70,7 @@ _CLAIM_BYTES = 1 + 9 + 18
 _ID_BYTES = 9
 _FRAME_OVERHEAD = 64
 _INFLIGHT_KEEP = 64
+_STALE_KEEP = 16
 
 
 @dataclass(slots=True)
@@ -130,6 +131,11 @@ class _Session:
     in_sync_since: float = -math.inf
     in_sync_seq: int = -1
     skew: SkewEstimator = field(default_factory=SkewEstimator)
+    stale_incarnations: set[int] = field(default_factory=set)
+    """Holder incarnations a Welcome proved gone (their tickets fail at once)."""
+    parked: list[str] = field(default_factory=list)
+    """Requests whose ticket names an incarnation not yet met: held back until the
+    Welcome says whether it is the holder's (lease ids repeat across incarnations)."""
 
 
 class Reader:
@@ -176,23 +182,33 @@ class Reader:
         proof = claim_proof(ticket.token, self.engine, ticket.lease) if targets else b""
         req = _Request(request_id, ticket, proof, now, {r: _Part(rank=r) for r in targets})
         self._requests[request_id] = req
-        self._by_lease[(ticket.holder_engine, ticket.lease)] = request_id
         if not targets:
             self._fail(now, req, FailReason.BAD_TICKET)
             return
+        restarted = []
         for rank in targets:
             session = self._session(ticket.holder_engine, rank)
             if session.incarnation is not None and session.incarnation != ticket.holder_incarnation:
-                self._fail(now, req, FailReason.HOLDER_RESTARTED)
-                return
-            if session.skew.known and self._ticket_bound(req, session, now) <= now:
+                if ticket.holder_incarnation in session.stale_incarnations:
+                    self._fail(now, req, FailReason.HOLDER_RESTARTED)
+                    return
+                # A ticket from an incarnation this session has not met: the holder
+                # probably restarted (then every later ticket is of the new one). Say
+                # Hello again; the Welcome tells which requests hold dead tickets.
+                restarted.append(session)
+            elif session.skew.known and self._ticket_bound(req, session, now) <= now:
                 self._fail(now, req, FailReason.BAD_TICKET)
                 return
+        for session in restarted:
+            session.parked.append(request_id)
+            if session.state is SessionState.OPEN:
+                self._rehello(now, session)
         for rank in targets:
             session = self._session(ticket.holder_engine, rank)
             self._need(now, session)
-            self._hold(session, ticket.lease, request_id)
-            session.pending_claims[ticket.lease] = proof
+            if session in restarted:
+                continue
+            self._attach(session, req)
             if session.next_beat == math.inf and session.state is SessionState.OPEN:
                 session.next_beat = now + self._interval(session)
 
@@ -259,7 +275,7 @@ class Reader:
             return
         part.state = read_next(part.state, ReadInput.READ_DONE)
         session = self._sessions[(req.ticket.holder_engine, holder_rank)]
-        self._release(session, req.ticket.lease)
+        self._release(session, req.ticket.lease, request_id)
         if part.early_held:
             self._held(req, part)
             return
@@ -443,6 +459,11 @@ class Reader:
             self.stats.unexpected_frames += 1
             return
         session.state = session_next(session.state, SessionInput.WELCOME)
+        if session.incarnation is not None and session.incarnation != msg.incarnation:
+            # A new holder process: its tickets are the live ones now, and its clock
+            # need not have anything to do with the old process's.
+            self._stale(session, session.incarnation)
+            session.skew = SkewEstimator(max_drift_ppm=self.config.max_drift_ppm)
         session.skew.add(SkewSample(sent=session.hello_sent, peer=msg.clock, received=now))
         session.params = msg.params
         session.incarnation = msg.incarnation
@@ -453,11 +474,24 @@ class Reader:
         for lease, rid in list(session.leases.items()):
             req = self._requests.get(rid)
             if req is not None and req.ticket.holder_incarnation != msg.incarnation:
+                self._stale(session, req.ticket.holder_incarnation)
                 self._fail(now, req, FailReason.HOLDER_RESTARTED)
             elif req is not None and self._ticket_bound(req, session, now) <= now:
                 self._fail(now, req, FailReason.LEASE_LOST)
             else:
                 session.pending_claims.setdefault(lease, self._proof_of(rid))
+        parked, session.parked = session.parked, []
+        for rid in parked:
+            req = self._requests.get(rid)
+            if req is None or req.failed:
+                continue
+            if req.ticket.holder_incarnation != msg.incarnation:
+                self._stale(session, req.ticket.holder_incarnation)
+                self._fail(now, req, FailReason.HOLDER_RESTARTED)
+            elif self._ticket_bound(req, session, now) <= now:
+                self._fail(now, req, FailReason.LEASE_LOST)
+            else:
+                self._attach(session, req)
         self._beat(now, session)  # at once: vLLM dropped the heartbeat of the handshake tick
 
     def _on_ack(self, now: float, session: _Session, ack: wire.HeartbeatAck) -> None:
@@ -519,12 +553,22 @@ class Reader:
     def _on_reject(self, now: float, session: _Session, msg: wire.Reject) -> None:
         self.stats.rejects += 1
         if msg.reason == wire.RejectReason.NO_SESSION:
-            session.state = session_next(session.state, SessionInput.REJECTED)
-            for lease, rid in session.leases.items():
-                session.pending_claims.setdefault(lease, self._proof_of(rid))
-            self._hello(now, session)
+            self._rehello(now, session)
         else:
             self._break(now, session, FailReason.CONNECT_FAILED)
+
+    def _rehello(self, now: float, session: _Session) -> None:
+        """The holder does not know this session (any more): Hello again, re-claim all."""
+        session.state = session_next(session.state, SessionInput.REJECTED)
+        for lease, rid in session.leases.items():
+            session.pending_claims.setdefault(lease, self._proof_of(rid))
+        self._hello(now, session)
+
+    @staticmethod
+    def _stale(session: _Session, incarnation: int) -> None:
+        if len(session.stale_incarnations) >= _STALE_KEEP:
+            session.stale_incarnations.pop()
+        session.stale_incarnations.add(incarnation)
 
     # ------------------------------------------------------------ heartbeats
 
@@ -608,14 +652,22 @@ class Reader:
         if before in (SessionState.IDLE, SessionState.BROKEN):
             self._out.append(Connect(engine=session.engine, rank=session.rank))
 
+    def _attach(self, session: _Session, req: _Request) -> None:
+        """The session heartbeats ``req``'s lease from now on (claim in the next beat)."""
+        lease = req.ticket.lease
+        self._by_lease[(session.engine, lease)] = req.request_id
+        self._hold(session, lease, req.request_id)
+        session.pending_claims[lease] = req.proof
+
     def _hold(self, session: _Session, lease: int, request_id: str) -> None:
         session.leases[lease] = request_id
         session.count += 1
         session.digest = (session.digest + wire.id_hash(lease)) & wire.MAX_U64
 
-    def _release(self, session: _Session, lease: int) -> bool:
-        if session.leases.pop(lease, None) is None:
-            return False
+    def _release(self, session: _Session, lease: int, request_id: str) -> bool:
+        if session.leases.get(lease) != request_id:
+            return False  # not held (or the id is another incarnation's request)
+        del session.leases[lease]
         session.count -= 1
         session.digest = (session.digest - wire.id_hash(lease)) & wire.MAX_U64
         session.pending_claims.pop(lease, None)
@@ -624,7 +676,10 @@ class Reader:
     def _abort_at(self, now: float, req: _Request, rank: int) -> None:
         session = self._sessions[(req.ticket.holder_engine, rank)]
         lease = req.ticket.lease
-        self._release(session, lease)
+        if req.request_id in session.parked:
+            session.parked.remove(req.request_id)  # never claimed: nothing to abort
+            return
+        self._release(session, lease, req.request_id)
         if session.state is SessionState.OPEN:
             session.pending_aborts[lease] = req.proof
             self._beat(now, session)  # free the holder's memory now, not at the next tick
@@ -648,7 +703,10 @@ class Reader:
             if was_started or reason not in _HOLDER_ALREADY_ENDED:
                 self._abort_at(now, req, rank)
             else:
-                self._release(self._sessions[(req.ticket.holder_engine, rank)], req.ticket.lease)
+                session = self._sessions[(req.ticket.holder_engine, rank)]
+                if req.request_id in session.parked:
+                    session.parked.remove(req.request_id)
+                self._release(session, req.ticket.lease, req.request_id)
         self._out.append(RequestFailed(request_id=req.request_id, reason=reason))
 
     def _held(self, req: _Request, part: _Part) -> None:
@@ -677,10 +735,11 @@ class Reader:
         session.pending_aborts.clear()
         session.inflight.clear()
         session.key = None
-        for rid in {*session.leases.values()}:
+        for rid in {*session.leases.values(), *session.parked}:
             req = self._requests.get(rid)
             if req is not None:
                 self._fail(now, req, reason)
+        session.parked.clear()
         for rid, rank in list(self._awaiting):
             req = self._requests[rid]
             if rank == session.rank and req.ticket.holder_engine == session.engine:
@@ -689,6 +748,8 @@ class Reader:
     def _deadline_bound(self, req: _Request, rank: int, now: float) -> float:
         session = self._sessions[(req.ticket.holder_engine, rank)]
         part = req.parts[rank]
+        if session.incarnation is not None and req.ticket.holder_incarnation != session.incarnation:
+            return -math.inf  # a ticket of another holder process: nothing is known
         bound = max(part.lower_bound, self._ticket_bound(req, session, now))
         if part.claimed_seq <= session.in_sync_seq and session.params is not None:
             renewed = session.in_sync_since + session.params.extension * (1 - self._drift)
@@ -738,7 +799,9 @@ class Reader:
     def _pop(self, request_id: str) -> _Request:
         req = self._get(request_id)
         del self._requests[request_id]
-        self._by_lease.pop((req.ticket.holder_engine, req.ticket.lease), None)
+        key = (req.ticket.holder_engine, req.ticket.lease)
+        if self._by_lease.get(key) == request_id:  # lease ids repeat across incarnations
+            del self._by_lease[key]
         return req
 
     def _part(self, req: _Request, rank: int) -> _Part:
