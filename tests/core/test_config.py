@@ -18,7 +18,7 @@ def test_defaults_are_vllms() -> None:
     assert c.decoder_kv_blocks_ttl == 480
     assert c.heartbeat_interval == 5
     assert c.lease_extension == 20
-    assert c.params == LeaseParams(duration=30, interval=5, extension=20)
+    assert c.params == LeaseParams(duration=30, interval=5, extension=20, max_hold=1800)
     assert c.frame_budget == c.max_frame_bytes
 
 

@@ -9,6 +9,7 @@ from kvproto import wire
 from kvproto.config import LeaseConfig
 from kvproto.errors import LocalProtocolError
 from kvproto.events import FailReason, ReadDeclined, ReadGo
+from kvproto.holder import Holder
 from kvproto.states import LeaseState, ReadState, SessionState
 
 from .net import LinkFaults, Net
@@ -369,9 +370,7 @@ def test_max_hold_caps_a_lease_that_is_heartbeated_forever() -> None:
 def test_ticket_of_a_restarted_holder_fails_holder_restarted() -> None:
     net = one_pair()
     ticket = net.grant("P0", "p-r1")
-    net.nodes["P0"].core = type(net.holder("P0"))(
-        net.config, engine="P", incarnation=8
-    )  # P restarted before D connected
+    restart_holder(net)  # P restarted before D connected
     net.track("D0", "r1", ticket)
     net.run_until(1.0)
     assert net.failures("D0") == [(0.0, "r1", "HOLDER_RESTARTED")]
@@ -381,11 +380,48 @@ def test_holder_restart_under_an_open_session_fails_holder_restarted() -> None:
     net = one_pair()
     granted(net)
     net.run_until(7.0)
-    net.nodes["P0"].core = type(net.holder("P0"))(net.config, engine="P", incarnation=8)
+    restart_holder(net)
     net.run_until(12.0)
     # The 10 s heartbeat gets Reject(NO_SESSION); D says Hello again; Welcome(8) tells it.
     assert net.failures("D0") == [(10.0, "r1", "HOLDER_RESTARTED")]
     assert net.reader("D0").session_state("P", 0) is SessionState.OPEN
+
+
+def restart_holder(net: Net, *, clock_offset: float = 0.0) -> None:
+    """P0's process dies and comes back as incarnation 8 under the same transport name."""
+    net.nodes["P0"].core = Holder(net.config, engine="P", incarnation=8)
+    net.nodes["P0"].offset = clock_offset
+    net.nodes["P0"].last_local = -float("inf")
+
+
+@pytest.mark.parametrize("peer_lost_reported", [False, True])
+def test_tickets_of_the_restarted_holder_work(peer_lost_reported: bool) -> None:
+    """After a holder restart every new ticket names the new incarnation; the reader must
+    learn it (it failed them all HOLDER_RESTARTED, forever: the session kept the old one)."""
+    net = one_pair()
+    granted(net, "old")
+    net.run_until(7.0)
+    restart_holder(net, clock_offset=-1000.0)  # a new process, a new clock epoch
+    if peer_lost_reported:
+        net.reader("D0").peer_lost(net.local("D0"), "P0")
+        net.collect()
+    net.run_until(8.0)
+    fresh = granted(net, "new")
+    net.run_until(9.0)
+    assert net.failures("D0")[0][1:] in (("old", "HOLDER_RESTARTED"), ("old", "LEASE_LOST"))
+    assert ("new" not in {rid for _, rid, _ in net.failures("D0")})
+    assert net.holder("P0").lease_state(fresh) is LeaseState.HELD
+    # The old process's clock sample is gone: the new ticket's bound is sane.
+    bound = net.reader("D0").deadline_bound(net.local("D0"), "new")
+    assert 8.0 < bound <= net.holder("P0").deadline(fresh) + 1000.0
+    go = net.start_read("D0", "new")
+    assert isinstance(go, ReadGo)
+    net.run_until(10.0)
+    assert [rid for _, _, rid in net.confirmed] == ["new"]
+    # A ticket of the dead incarnation, now known dead, fails at once.
+    old_holder = Holder(net.config, engine="P", incarnation=7)
+    net.track("D0", "late-old", old_holder.grant(0.0, request_id="x"))
+    assert net.failures("D0")[-1] == (10.0, "late-old", "HOLDER_RESTARTED")
 
 
 def test_stale_ticket_converted_with_clock_sample_is_refused() -> None:
@@ -396,3 +432,18 @@ def test_stale_ticket_converted_with_clock_sample_is_refused() -> None:
     net.run_until(100.0)  # the ticket waited 50 s at the client: its 30 s lease lapsed
     net.track("D0", "b", late)
     assert net.failures("D0")[-1] == (100.0, "b", "BAD_TICKET")
+
+
+def test_reader_bound_and_decline_respect_max_hold() -> None:
+    """Heartbeats renew the session, never past grant + max_hold: the reader's bound
+    must not promise more (it did: 69.99 against a true 60), and it declines in time."""
+    config = LeaseConfig(decoder_kv_blocks_ttl=60.0, max_hold=60.0)
+    net = one_pair(config)
+    lease = granted(net)
+    for t in (20.0, 45.0, 51.0, 54.0):
+        net.run_until(t)
+        bound = net.reader("D0").deadline_bound(net.local("D0"), "r1")
+        assert bound <= net.holder("P0").deadline(lease) == min(60.0, t // 5 * 5 + 20.0)
+    assert 59.98 <= bound <= 60.0  # minus drift allowances over seconds, not the 20 s extension
+    net.run_until(55.5)
+    assert isinstance(net.start_read("D0", "r1"), ReadDeclined)  # 55.5 + 5 > 59.99
