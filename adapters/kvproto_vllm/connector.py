@@ -202,6 +202,11 @@ class KvprotoConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
 
+    def has_pending_push_work(self) -> bool:
+        # vLLM's only hook that keeps an engine stepping without requests; used so an
+        # aborted request's lease abort reaches the prefill engine (see consumer.py).
+        return self._scheduler is not None and self._scheduler.has_pending_work()
+
     # ================================================================ stats
 
     @classmethod

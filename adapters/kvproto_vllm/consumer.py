@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,14 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("vllm.kvproto_connector.consumer")
+
+ABORT_LINGER_S = 1.0
+"""How long the engine keeps stepping after a tracked request left before it was read.
+
+vLLM steps an engine only while it has requests; an aborted request's last
+step ships its finish, but if its holder session was still being opened the
+abort leaves only once the Welcome arrives. Without more steps the holder
+would keep the blocks until the lease lapses (vLLM #41269's symptom)."""
 
 
 @dataclass(slots=True)
@@ -51,6 +60,7 @@ class Consumer:
         self._finishes: list[str] = []
         self.untracked = 0
         """Requests with do_remote_prefill that could not be tracked (recomputed)."""
+        self._linger_until = 0.0
 
     # ------------------------------------------------------------ hooks
 
@@ -117,8 +127,14 @@ class Consumer:
         params["do_remote_prefill"] = False  # one transfer per request, as stock
 
     def request_finished(self, request: Request) -> None:
-        if self._tracked.pop(request.request_id, None) is not None:
+        tracked = self._tracked.pop(request.request_id, None)
+        if tracked is not None:
             self._finishes.append(request.request_id)
+            self._linger_until = time.monotonic() + ABORT_LINGER_S
+
+    def has_pending_work(self) -> bool:
+        """Keep stepping briefly so a just-finished request's abort reaches its holder."""
+        return bool(self._finishes) or time.monotonic() < self._linger_until
 
     def finished_recving(self, request_ids: set[str] | None) -> None:
         for rid in request_ids or ():

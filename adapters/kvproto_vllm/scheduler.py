@@ -97,6 +97,9 @@ class SchedulerSide:
         if self.consumer is not None:
             self.consumer.finished_recving(finished_recving)
 
+    def has_pending_work(self) -> bool:
+        return self.consumer is not None and self.consumer.has_pending_work()
+
     def request_finished(
         self, request: Request, block_ids: Sequence[Sequence[int]]
     ) -> tuple[bool, dict[str, Any] | None]:

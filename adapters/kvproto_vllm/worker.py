@@ -238,6 +238,9 @@ class WorkerSide:
         if self.endpoint is not None:
             for key, value in asdict(self.endpoint.stats).items():
                 snap[f"binding_{key}"] = value
+        if self.server is not None:
+            for key, value in asdict(self.server.stats()).items():
+                snap[f"sidechannel_{key}"] = value
         snap["worker_intro_errors"] = self.intro_errors
         return snap
 

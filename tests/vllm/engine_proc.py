@@ -195,8 +195,12 @@ class _Server:
         prompts: list[str],
         sampling: dict[str, Any],
         kv_transfer_params: list[dict[str, Any] | None] | None = None,
+        abort_now: bool = False,
     ) -> None:
-        """Enqueue requests without waiting (the loop steps them between commands)."""
+        """Enqueue requests without waiting (the loop steps them between commands).
+
+        ``abort_now`` aborts them right after enqueueing, before any step: a
+        client that gave up while its request was still queued."""
         from vllm import SamplingParams
 
         for i, (rid, prompt) in enumerate(zip(request_ids, prompts, strict=True)):
@@ -205,6 +209,8 @@ class _Server:
             if kvp is not None:
                 kw["extra_args"] = {"kv_transfer_params": kvp}
             self.llm.llm_engine.add_request(rid, prompt, SamplingParams(**kw))
+        if abort_now:
+            self.llm.llm_engine.abort_request(list(request_ids))
 
     def cmd_collect(self, request_ids: list[str], timeout_s: float) -> list[dict[str, Any]]:
         """Step until the requests added with cmd_add finished; their outputs."""

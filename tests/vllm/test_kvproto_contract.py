@@ -1,0 +1,179 @@
+"""Contract of KvprotoConnector against the installed vLLM (no engine started).
+
+* no abstract method is left, on KVConnectorBase_V1 or SupportsHMA;
+* every method it overrides has the base class's parameters (names, kinds,
+  defaults), so vLLM's keyword calls reach it;
+* vLLM's factory resolves it from ``kv_connector_module_path`` (which also
+  checks the 3-argument constructor);
+* importing the module (vLLM does it in the front-end process) starts no NIXL
+  agent and loads neither NIXL nor the worker half;
+* the stats class aggregates like vLLM expects (counters add, gauges are a
+  last value per rank summed over ranks);
+* extra-config parsing: lease keys reach the core's LeaseConfig, bad keys fail.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+
+import pytest
+
+from .vllm_required import require_vllm
+
+require_vllm()
+
+from kvproto.config import ConfigError  # noqa: E402
+from kvproto_vllm.config import parse_extra_config  # noqa: E402
+
+from .kvproto_config import CLASS_NAME, MODULE_PATH  # noqa: E402
+
+
+def _import_connector_fresh() -> tuple[type, set[str]]:
+    """Import the connector module, returning the modules that import pulled in."""
+    before = set(sys.modules)
+    from kvproto_vllm import connector
+
+    return connector.KvprotoConnector, set(sys.modules) - before
+
+
+def test_import_is_light() -> None:
+    already = "kvproto_vllm.connector" in sys.modules
+    cls, new = _import_connector_fresh()
+    assert cls.__name__ == CLASS_NAME
+    heavy = {"kvproto_transports.nixl.transport", "kvproto_vllm.worker", "nixl", "nixl._api"}
+    if not already:
+        assert not heavy & new, f"importing the connector loaded {sorted(heavy & new)}"
+    assert not [m for m in new if m.startswith("nixl")]
+
+
+def test_no_abstract_methods_left() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        SupportsHMA,
+    )
+
+    from kvproto_vllm.connector import KvprotoConnector
+
+    assert issubclass(KvprotoConnector, KVConnectorBase_V1)
+    assert issubclass(KvprotoConnector, SupportsHMA)
+    assert not KvprotoConnector.__abstractmethods__
+    # The base really has abstract methods, so the check above means something.
+    assert len(KVConnectorBase_V1.__abstractmethods__) == 7
+
+
+def _params(fn: object) -> list[tuple[str, object, object]]:
+    sig = inspect.signature(fn)  # type: ignore[arg-type]
+    return [(p.name, p.kind, p.default) for p in sig.parameters.values()]
+
+
+def test_signatures_match_base() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        SupportsHMA,
+    )
+
+    from kvproto_vllm.connector import KvprotoConnector
+
+    checked = []
+    for base in (KVConnectorBase_V1, SupportsHMA):
+        for name, member in vars(base).items():
+            if not callable(member) and not isinstance(member, classmethod | staticmethod):
+                continue
+            if name.startswith("__") and name != "__init__":
+                continue
+            ours = KvprotoConnector.__dict__.get(name)
+            if ours is None:
+                continue
+            base_fn = getattr(base, name)
+            our_fn = getattr(KvprotoConnector, name)
+            assert _params(our_fn) == _params(base_fn), f"{name}: signature differs from {base}"
+            checked.append(name)
+    # The seven abstract methods and the hooks the connector relies on.
+    for name in (
+        "__init__",
+        "start_load_kv",
+        "wait_for_layer_load",
+        "save_kv_layer",
+        "wait_for_save",
+        "get_num_new_matched_tokens",
+        "update_state_after_alloc",
+        "build_connector_meta",
+        "on_new_request",
+        "request_finished",
+        "request_finished_all_groups",
+        "register_kv_caches",
+        "get_transfer_results",
+        "get_block_ids_with_load_errors",
+        "update_connector_output",
+        "get_kv_connector_stats",
+        "build_kv_connector_stats",
+        "build_prom_metrics",
+        "shutdown",
+    ):
+        assert name in checked, f"{name} was not compared"
+
+
+def test_factory_resolves_from_module_path() -> None:
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from kvproto_vllm.connector import KvprotoConnector
+
+    for role in ("kv_producer", "kv_consumer", "kv_both"):
+        cfg = KVTransferConfig(
+            kv_connector=CLASS_NAME,
+            kv_connector_module_path=MODULE_PATH,
+            kv_role=role,
+            kv_connector_extra_config={"kv_lease_duration": 30},
+        )
+        assert KVConnectorFactory.get_connector_class(cfg) is KvprotoConnector
+    wrong = KVTransferConfig(
+        kv_connector="NoSuchConnector", kv_connector_module_path=MODULE_PATH, kv_role="kv_both"
+    )
+    with pytest.raises(AttributeError, match="NoSuchConnector"):
+        KVConnectorFactory.get_connector_class(wrong)
+
+
+def test_stats_aggregate_and_reduce() -> None:
+    from kvproto_vllm.connector import KvprotoConnector
+    from kvproto_vllm.stats import DeltaTracker, KvprotoStats
+
+    rank0, rank1 = DeltaTracker("e/0"), DeltaTracker("e/1")
+    first = rank0.delta({"holder_grants": 2, "holder_leases_held": 2})
+    assert first is not None
+    assert rank0.delta({"holder_grants": 2, "holder_leases_held": 2}) is None  # nothing new
+    second = rank0.delta({"holder_grants": 3, "holder_leases_held": 1})
+    other = rank1.delta({"holder_grants": 1, "holder_leases_held": 4})
+    assert second is not None and other is not None
+    total = first.aggregate(second).aggregate(other)
+    assert total.reduce() == {"holder_grants": 4, "holder_leases_held": 5}
+    rebuilt = KvprotoConnector.build_kv_connector_stats(total.to_dict())
+    assert isinstance(rebuilt, KvprotoStats)
+    assert rebuilt.reduce() == total.reduce()
+    assert not rebuilt.is_empty()
+    rebuilt.reset()
+    assert rebuilt.is_empty()
+
+
+def test_extra_config() -> None:
+    cfg = parse_extra_config({"kv_lease_duration": 6, "backends": ["UCX"]})
+    assert cfg.lease.kv_lease_duration == 6
+    assert cfg.lease.heartbeat_interval == 1 and cfg.lease.lease_extension == 4
+    # A short lease gets a read margin that fits inside its extension.
+    assert cfg.lease.read_margin == 2.0
+    assert parse_extra_config(None).lease.read_margin == 5.0
+    # Stock tuning keys load and are ignored; secrets become bytes for the core.
+    cfg = parse_extra_config({"num_threads": 8, "auth_secret": "x" * 16})
+    assert cfg.lease.auth_secret == b"x" * 16 and cfg.side_channel_secret == b"x" * 16
+    assert parse_extra_config({"accept_legacy": True}).lease.accept_legacy
+    for bad in (
+        {"kv_lease_duration": 3},  # heartbeat interval 0
+        {"no_such_key": 1},
+        {"bidirectional_kv_xfer": True},
+        {"probe_interval_s": -1},
+        {"backends": []},
+        {"enforce_handshake_compat": False},
+    ):
+        with pytest.raises(ConfigError):
+            parse_extra_config(bad)

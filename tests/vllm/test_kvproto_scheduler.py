@@ -1,0 +1,291 @@
+"""The connector's scheduler half inside real vLLM Schedulers, driven step by step.
+
+Two real ``vllm.v1.core.sched.scheduler.Scheduler`` instances (one
+``kv_producer``, one ``kv_consumer``) built from the tiny model's real
+VllmConfig; vLLM's factory creates the connector's SCHEDULER half in each.
+Real ``Request`` objects carry ``kv_transfer_params``; the worker's answers
+(finished_sending / finished_recving / failed_recving) are fed back in a
+``ModelRunnerOutput`` as the worker half would report them. No engine, no
+NIXL: this pins the scheduler-side decisions.
+
+P: a finished prefill gets a lease (ticket in kv_transfer_params and in the
+next step's metadata), its blocks stay held until finished_sending; an
+aborted prefill gets none.
+D: a request is tracked from enqueue even while it cannot be scheduled
+(max_num_seqs=1 and another request running), its read is planned when it
+is scheduled, tracking stops on finished_recving, on abort before
+scheduling and on abort while reading (blocks kept until the worker reports);
+a failed read is recomputed locally; an unusable ticket is never tracked.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .vllm_required import require_vllm
+
+require_vllm()
+
+from kvproto.ticket import PARAMS_KEY, LeaseTicket  # noqa: E402
+from kvproto_vllm.metadata import KvprotoMetadata  # noqa: E402
+
+from .kvproto_config import kvproto_config  # noqa: E402
+
+BLOCK = 32
+PROMPT = list(range(1, 105))  # 104 tokens: 3 full blocks + 1 partial
+NUM_BLOCKS = 64
+
+
+def make_scheduler(model: Path, role: str, *, max_num_seqs: int = 8) -> Any:
+    import torch
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+    )
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args = EngineArgs(
+        model=str(model),
+        dtype="float32",
+        block_size=BLOCK,
+        max_model_len=512,
+        max_num_seqs=max_num_seqs,
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        kv_transfer_config=kvproto_config(role),
+    )
+    cfg = args.create_engine_config()
+    cfg.cache_config.num_gpu_blocks = NUM_BLOCKS
+    kv_cache_config = KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"],
+                FullAttentionSpec(
+                    block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32
+                ),
+            )
+        ],
+    )
+    return Scheduler(
+        cfg, kv_cache_config, StructuredOutputManager(cfg), block_size=BLOCK, log_stats=True
+    )
+
+
+def request(rid: str, *, max_tokens: int, params: dict[str, Any] | None) -> Any:
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    extra = {"kv_transfer_params": params} if params is not None else None
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
+    return Request(rid, list(PROMPT), sp, None)
+
+
+def worker_output(
+    sched_out: Any,
+    *,
+    sending: Iterable[str] = (),
+    recving: Iterable[str] = (),
+    failed: Iterable[str] = (),
+) -> Any:
+    """What a worker returns for a step: one token per request that completed its prompt."""
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    ids = list(sched_out.num_scheduled_tokens)
+    kv = KVConnectorOutput(
+        finished_sending=set(sending) or None,
+        finished_recving=set(recving) or None,
+        failed_recving=set(failed),
+    )
+    return ModelRunnerOutput(
+        req_ids=ids,
+        req_id_to_index={r: i for i, r in enumerate(ids)},
+        sampled_token_ids=[[7] for _ in ids],
+        kv_connector_output=None if kv.is_empty() else kv,
+    )
+
+
+def step(sched: Any, **worker: Iterable[str]) -> tuple[KvprotoMetadata, Any, dict[str, Any]]:
+    """schedule() + update_from_output(); (metadata, scheduler output, outputs by id)."""
+    out = sched.schedule()
+    meta = out.kv_connector_metadata
+    assert isinstance(meta, KvprotoMetadata)
+    engine_outputs = sched.update_from_output(out, worker_output(out, **worker))
+    by_id = {o.request_id: o for eo in engine_outputs.values() for o in eo.outputs}
+    return meta, out, by_id
+
+
+def free_blocks(sched: Any) -> int:
+    return int(sched.kv_cache_manager.block_pool.get_num_free_blocks())
+
+
+@pytest.fixture(scope="module")
+def prefill_params(tiny_model_dir: Path) -> dict[str, Any]:
+    """Run P's scheduler half once; return the kv_transfer_params it granted."""
+    return _producer_flow(tiny_model_dir)
+
+
+def _producer_flow(model: Path) -> dict[str, Any]:
+    from vllm.v1.request import RequestStatus
+
+    sched = make_scheduler(model, "kv_producer")
+    conn = sched.connector
+    free0 = free_blocks(sched)
+
+    sched.add_request(request("p1", max_tokens=1, params={"do_remote_decode": True}))
+    meta, _, outs = step(sched)
+    assert meta.incarnation == conn.debug_state()["incarnation"]
+    assert meta.grants == []  # the lease is granted when the request finishes
+    params = outs["p1"].kv_transfer_params
+    assert params is not None and params["do_remote_prefill"] is True
+    assert params["remote_request_id"] == "p1"
+    assert params["remote_engine_id"] == conn.engine_id
+    assert params["remote_num_tokens"] == len(PROMPT)
+    (blocks,) = params["remote_block_ids"]
+    assert len(blocks) == 4
+    ticket = LeaseTicket.from_params(params[PARAMS_KEY])
+    assert ticket.holder_engine == conn.engine_id
+    assert ticket.holder_incarnation == meta.incarnation
+    assert ticket.request_id == "p1" and ticket.expires_in == 30
+    # Delayed free: the finished request keeps its blocks.
+    assert "p1" in sched.requests
+    assert free_blocks(sched) == free0 - 4
+
+    meta, _, _ = step(sched)
+    assert [(g.request_id, g.ticket) for g in meta.grants] == [("p1", ticket)]
+    meta, _, _ = step(sched)
+    assert meta.grants == []  # shipped once
+
+    # An aborted prefill gets no lease and frees at once.
+    sched.add_request(request("p2", max_tokens=1, params={"do_remote_decode": True}))
+    sched.finish_requests("p2", RequestStatus.FINISHED_ABORTED)
+    meta, _, _ = step(sched)
+    assert meta.grants == [] and "p2" not in sched.requests
+    assert conn.debug_state()["granted"] == 1
+
+    # The worker's FreeBlocks (any reason) comes back as finished_sending.
+    step(sched, sending={"p1"})
+    assert "p1" not in sched.requests
+    assert free_blocks(sched) == free0
+    return dict(params)
+
+
+def test_producer_grants_and_delays_free(prefill_params: dict[str, Any]) -> None:
+    # The flow's assertions run in the fixture (shared with the consumer tests).
+    assert LeaseTicket.from_params(prefill_params[PARAMS_KEY]).lease == 1
+
+
+def test_consumer_tracks_from_enqueue(tiny_model_dir: Path, prefill_params: dict[str, Any]) -> None:
+    from vllm.v1.request import RequestStatus
+
+    sched = make_scheduler(tiny_model_dir, "kv_consumer", max_num_seqs=1)
+    conn = sched.connector
+    # A local request occupies the only running slot.
+    sched.add_request(request("busy", max_tokens=50, params=None))
+    meta, out, _ = step(sched)
+    assert "busy" in out.num_scheduled_tokens and meta.tracks == []
+
+    # d1 is tracked at enqueue although it cannot be scheduled yet.
+    sched.add_request(request("d1", max_tokens=4, params=copy.deepcopy(prefill_params)))
+    meta, out, _ = step(sched)
+    assert "d1" not in out.num_scheduled_tokens
+    assert sched.requests["d1"].status == RequestStatus.WAITING
+    (track,) = meta.tracks
+    assert track.request_id == "d1"
+    assert track.ticket == LeaseTicket.from_params(prefill_params[PARAMS_KEY])
+    assert (track.host, track.port) == (
+        prefill_params["remote_host"],
+        prefill_params["remote_port"],
+    )
+    assert meta.recvs == []
+    for _ in range(3):  # still queued: no new orders, still tracked
+        meta, out, _ = step(sched)
+        assert meta.is_empty() and "d1" not in out.num_scheduled_tokens
+    assert conn.debug_state()["tracked"] == 1
+
+    # The slot frees: d1 is scheduled and its read planned (all 4 blocks, awaited).
+    sched.finish_requests("busy", RequestStatus.FINISHED_ABORTED)
+    meta, out, _ = step(sched)
+    assert sched.requests["d1"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    (recv,) = meta.recvs
+    assert recv.request_id == "d1" and recv.awaiting
+    assert len(recv.local_block_ids) == 4
+    assert recv.remote_block_ids == prefill_params["remote_block_ids"][0]
+    meta, _, _ = step(sched)
+    assert meta.recvs == []  # one transfer per request
+
+    # ReadConfirmed -> finished_recving: tracking stops, d1 decodes from the loaded blocks.
+    step(sched, recving={"d1"})
+    meta, out, _ = step(sched)
+    assert meta.finishes == ["d1"]
+    assert out.num_scheduled_tokens.get("d1") == 1  # only the last prompt token is recomputed
+    assert conn.debug_state()["tracked"] == 0
+
+
+def test_consumer_aborts(tiny_model_dir: Path, prefill_params: dict[str, Any]) -> None:
+    from vllm.v1.request import RequestStatus
+
+    sched = make_scheduler(tiny_model_dir, "kv_consumer", max_num_seqs=1)
+    free0 = free_blocks(sched)
+    # Aborted before it was ever scheduled: finish (the reader aborts the lease), and
+    # the engine keeps stepping briefly so the abort can leave.
+    sched.add_request(request("busy", max_tokens=50, params=None))
+    sched.add_request(request("d2", max_tokens=4, params=copy.deepcopy(prefill_params)))
+    meta, _, _ = step(sched)
+    assert [t.request_id for t in meta.tracks] == ["d2"]
+    sched.finish_requests("d2", RequestStatus.FINISHED_ABORTED)
+    assert sched.connector.has_pending_push_work()
+    meta, _, _ = step(sched)
+    assert meta.finishes == ["d2"] and "d2" not in sched.requests
+
+    # Aborted while its read is in flight: vLLM keeps the blocks until the worker reports.
+    sched.finish_requests("busy", RequestStatus.FINISHED_ABORTED)
+    sched.add_request(request("d3", max_tokens=4, params=copy.deepcopy(prefill_params)))
+    meta, _, _ = step(sched)
+    assert [r.request_id for r in meta.recvs] == ["d3"]
+    sched.finish_requests("d3", RequestStatus.FINISHED_ABORTED)
+    meta, _, _ = step(sched)
+    assert meta.finishes == ["d3"]
+    assert "d3" in sched.requests  # blocks held: a READ may still land in them
+    step(sched, recving={"d3"})  # the worker's verdict after the read ended
+    assert "d3" not in sched.requests
+    step(sched)
+    assert not sched.requests and free_blocks(sched) == free0
+
+
+def test_consumer_failed_read_recomputes(
+    tiny_model_dir: Path, prefill_params: dict[str, Any]
+) -> None:
+    sched = make_scheduler(tiny_model_dir, "kv_consumer")
+    sched.add_request(request("d4", max_tokens=4, params=copy.deepcopy(prefill_params)))
+    meta, _, _ = step(sched)
+    assert [r.request_id for r in meta.recvs] == ["d4"]
+    # The worker's verdict for a fenced/declined/failed read.
+    step(sched, recving={"d4"}, failed={"d4"})
+    meta, out, _ = step(sched)
+    assert out.num_scheduled_tokens.get("d4") == len(PROMPT)  # recomputed from token 0
+    assert meta.finishes == ["d4"]
+
+
+def test_consumer_bad_ticket_is_not_tracked(
+    tiny_model_dir: Path, prefill_params: dict[str, Any]
+) -> None:
+    sched = make_scheduler(tiny_model_dir, "kv_consumer")
+    bad = copy.deepcopy(prefill_params)
+    bad[PARAMS_KEY] = dict(bad[PARAMS_KEY], token="not-hex")
+    sched.add_request(request("d5", max_tokens=4, params=bad))
+    meta, out, _ = step(sched)
+    assert meta.tracks == [] and meta.recvs == []
+    assert out.num_scheduled_tokens.get("d5") == len(PROMPT)
+    assert sched.connector.debug_state()["untracked"] == 1
