@@ -61,6 +61,8 @@ class EngineSpec:
     """Small, so the 1 GiB CPU KV cache holds many blocks."""
     max_num_seqs: int = 8
     """Requests running at once; 1 makes a request queue behind another (overload)."""
+    scheduling_policy: str = "fcfs"
+    """"priority" lets a test keep a request queued by adding more urgent local work."""
     keep_kv_core_pinning: bool = False
     """Stock NixlConnector's worker pins the engine thread to the last core of
     each NUMA node on CPU (base_worker.py, os.sched_setaffinity); on a 2-core
@@ -107,6 +109,7 @@ class _Server:
             block_size=spec.block_size,
             max_model_len=spec.max_model_len,
             max_num_seqs=spec.max_num_seqs,
+            scheduling_policy=spec.scheduling_policy,
             enable_prefix_caching=spec.prefix_caching,
             kv_transfer_config=spec.kv_transfer_config,
             disable_log_stats=False,  # Prometheus metrics for get_metrics()
@@ -191,11 +194,13 @@ class _Server:
 
     def cmd_add(
         self,
+        *,
         request_ids: list[str],
         prompts: list[str],
         sampling: dict[str, Any],
         kv_transfer_params: list[dict[str, Any] | None] | None = None,
         abort_now: bool = False,
+        priority: int = 0,
     ) -> None:
         """Enqueue requests without waiting (the loop steps them between commands).
 
@@ -208,7 +213,7 @@ class _Server:
             kvp = kv_transfer_params[i] if kv_transfer_params else None
             if kvp is not None:
                 kw["extra_args"] = {"kv_transfer_params": kvp}
-            self.llm.llm_engine.add_request(rid, prompt, SamplingParams(**kw))
+            self.llm.llm_engine.add_request(rid, prompt, SamplingParams(**kw), priority=priority)
         if abort_now:
             self.llm.llm_engine.abort_request(list(request_ids))
 
