@@ -14,6 +14,10 @@ import hashlib
 import json
 from typing import TYPE_CHECKING, Any
 
+from kvproto.config import ConfigError
+
+from .config import AdapterConfig
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
@@ -46,23 +50,43 @@ def compat_hash(factors: dict[str, Any]) -> bytes:
     return hashlib.blake2b(text.encode(), digest_size=16).digest()
 
 
-def side_channel_address(vllm_config: VllmConfig) -> tuple[str, int]:
-    """(host, port of TP rank 0) of this engine's side channel.
+def side_channel_address(vllm_config: VllmConfig, cfg: AdapterConfig) -> tuple[str, int]:
+    """(host, port of TP rank 0) of this engine's kvproto side channel.
 
     Stock's listener is ``VLLM_NIXL_SIDE_CHANNEL_PORT + data_parallel_index``
     and serves every TP rank from the scheduler process. Here each worker rank
     serves its own metadata and takes its readers' introductions itself (so a
     holder can add a reader's NIXL agent before the reader's first frame is
     handled), so rank r listens on ``base + dp_index * tp_size + r``; with TP 1
-    this is exactly stock's port.
+    this is exactly stock's port. In interop mode (``accept_legacy``) the stock
+    port serves stock-format handshakes and the base is
+    ``kvproto_side_channel_port`` instead.
     """
     from vllm import envs
 
     parallel = vllm_config.parallel_config
-    base = envs.VLLM_NIXL_SIDE_CHANNEL_PORT + parallel.data_parallel_index * transfer_tp_size(
-        vllm_config
-    )
+    start = envs.VLLM_NIXL_SIDE_CHANNEL_PORT
+    if cfg.lease.accept_legacy and vllm_config.kv_transfer_config is not None:
+        if vllm_config.kv_transfer_config.is_kv_producer:
+            if cfg.kvproto_side_channel_port is None:
+                raise ConfigError(
+                    "accept_legacy serves stock NixlConnector handshakes on "
+                    "VLLM_NIXL_SIDE_CHANNEL_PORT; set kvproto_side_channel_port in "
+                    "kv_connector_extra_config for the kvproto side channel"
+                )
+            start = cfg.kvproto_side_channel_port
+    elif cfg.kvproto_side_channel_port is not None:
+        start = cfg.kvproto_side_channel_port
+    base = start + parallel.data_parallel_index * transfer_tp_size(vllm_config)
     return envs.VLLM_NIXL_SIDE_CHANNEL_HOST, base
+
+
+def stock_side_channel_address(vllm_config: VllmConfig) -> tuple[str, int]:
+    """Where stock NixlConnector listens (and a stock decoder connects)."""
+    from vllm import envs
+
+    port = envs.VLLM_NIXL_SIDE_CHANNEL_PORT + vllm_config.parallel_config.data_parallel_index
+    return envs.VLLM_NIXL_SIDE_CHANNEL_HOST, port
 
 
 def transfer_tp_size(vllm_config: VllmConfig) -> int:

@@ -46,6 +46,10 @@ class AdapterConfig:
     kv_recompute_threshold: int = 0
     """Stock key: remote tails shorter than this many tokens are recomputed, not read
     (the holder is still told at once). Default 0 = always read (stock: 64)."""
+    kvproto_side_channel_port: int | None = None
+    """Base port of the kvproto side channel (rank r: + dp_index * tp_size + r). Default:
+    VLLM_NIXL_SIDE_CHANNEL_PORT, like stock; required with ``accept_legacy`` on a
+    producer, whose stock port then serves stock-format handshakes."""
 
     @property
     def side_channel_secret(self) -> bytes | None:
@@ -92,6 +96,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> AdapterConfig:
         kv_recompute_threshold=int(
             _non_negative("kv_recompute_threshold", own.get("kv_recompute_threshold", 0))
         ),
+        kvproto_side_channel_port=_port(own.get("kvproto_side_channel_port")),
     )
 
 
@@ -133,6 +138,14 @@ def _non_negative(name: str, value: Any) -> float:
     if number < 0:
         raise ConfigError(f"{name} must not be negative, got {value!r}")
     return number
+
+
+def _port(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536:
+        raise ConfigError(f"kvproto_side_channel_port must be a TCP port, got {value!r}")
+    return value
 
 
 def _optional_positive(name: str, value: Any) -> float | None:

@@ -168,7 +168,7 @@ def _parse(params: dict[str, Any]) -> tuple[LeaseTicket, str, int, list[int], in
     except RemoteProtocolError as exc:
         return f"unusable lease ticket: {exc}"
     host = params.get("remote_host")
-    port = params.get("remote_port")
+    port = params.get("kvproto_side_channel_port", params.get("remote_port"))
     if not isinstance(host, str) or not host:
         return "remote_host missing"
     if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:

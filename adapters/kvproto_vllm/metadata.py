@@ -12,7 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+)
 
 from kvproto.ticket import LeaseTicket
 
@@ -74,3 +77,14 @@ class KvprotoMetadata(KVConnectorMetadata):
     def is_empty(self) -> bool:
         """Nothing to do this step (the incarnation alone is not work)."""
         return not (self.grants or self.tracks or self.recvs or self.finishes)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KvprotoHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """Worker -> scheduler at startup (vLLM's handshake-metadata channel)."""
+
+    rank: int
+    """The worker's TP rank."""
+    stock_payload: bytes | None = None
+    """Interop mode: stock's encoded NixlHandshakePayload for this rank, served to stock
+    decoders by the scheduler's stock-format listener."""

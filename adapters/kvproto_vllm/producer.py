@@ -42,6 +42,7 @@ class Producer:
         tp_size: int,
         host: str,
         port: int,
+        stock_port: int | None = None,
         dcp_size: int = 1,
         pp_size: int = 1,
     ) -> None:
@@ -50,6 +51,7 @@ class Producer:
         self.tp_size = tp_size
         self.host = host
         self.port = port
+        self.stock_port = stock_port
         self.dcp_size = dcp_size
         self.pp_size = pp_size
         # 63 bits: fits msgpack uint64 and JSON numbers exactly.
@@ -99,7 +101,10 @@ class Producer:
             "remote_engine_id": self.engine_id,
             "remote_request_id": request.request_id,
             "remote_host": self.host,
-            "remote_port": self.port,
+            # A stock decoder handshakes on remote_port: in interop mode that is the
+            # stock-format listener, and kvproto decoders use kvproto_side_channel_port.
+            "remote_port": self.port if self.stock_port is None else self.stock_port,
+            "kvproto_side_channel_port": self.port,
             "tp_size": self.tp_size,
             "dcp_size": self.dcp_size,
             "pp_size": self.pp_size,

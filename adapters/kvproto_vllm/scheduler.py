@@ -11,7 +11,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from .compat import side_channel_address, transfer_tp_size
+from .compat import side_channel_address, stock_side_channel_address, transfer_tp_size
 from .config import AdapterConfig
 from .consumer import Consumer
 from .metadata import KvprotoMetadata
@@ -19,8 +19,11 @@ from .producer import Producer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.request import Request
+
+    from .stock_interop import StockHandshakeListener
 
 log = logging.getLogger("vllm.kvproto_connector.scheduler")
 
@@ -38,10 +41,13 @@ class SchedulerSide:
         consumer: bool,
     ) -> None:
         self.cfg = cfg
+        self.vllm_config = vllm_config
         self.producer: Producer | None = None
         self.consumer: Consumer | None = None
+        self.stock_listener: StockHandshakeListener | None = None
         if producer:
-            host, port = side_channel_address(vllm_config)
+            host, port = side_channel_address(vllm_config, cfg)
+            _, stock_port = stock_side_channel_address(vllm_config)
             parallel = vllm_config.parallel_config
             self.producer = Producer(
                 cfg.lease,
@@ -49,6 +55,7 @@ class SchedulerSide:
                 tp_size=transfer_tp_size(vllm_config),
                 host=host,
                 port=port,
+                stock_port=stock_port if cfg.lease.accept_legacy else None,
                 dcp_size=int(parallel.decode_context_parallel_size),
                 pp_size=int(parallel.pipeline_parallel_size),
             )
@@ -115,3 +122,24 @@ class SchedulerSide:
         if self.consumer is not None:
             self.consumer.request_finished(request)
         return False, None
+
+    def set_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        """Interop mode: serve the workers' stock payloads on the stock port."""
+        if self.producer is None or not self.cfg.lease.accept_legacy:
+            return
+        from .metadata import KvprotoHandshakeMetadata
+        from .stock_interop import StockHandshakeListener
+
+        payloads = {}
+        for tp_rank, md in metadata.items():
+            if isinstance(md, KvprotoHandshakeMetadata) and md.stock_payload is not None:
+                payloads[(0, int(tp_rank))] = md.stock_payload
+        if not payloads or self.stock_listener is not None:
+            return
+        host, port = stock_side_channel_address(self.vllm_config)
+        self.stock_listener = StockHandshakeListener(host=host, port=port, payloads=payloads)
+        log.info("interop: stock NixlConnector handshakes served on %s:%d", host, port)
+
+    def shutdown(self) -> None:
+        if self.stock_listener is not None:
+            self.stock_listener.close()

@@ -36,7 +36,7 @@ from kvproto_transports.binding import Endpoint
 from .compat import compat_factors, compat_hash, side_channel_address, transfer_tp_size
 from .config import AdapterConfig
 from .holder_side import HolderSide
-from .metadata import KvprotoMetadata
+from .metadata import KvprotoHandshakeMetadata, KvprotoMetadata
 from .reader_side import ReaderSide
 
 if TYPE_CHECKING:
@@ -65,6 +65,7 @@ class WorkerSide:
         consumer: bool,
     ) -> None:
         self.cfg = cfg
+        self.vllm_config = vllm_config
         self.engine_id = engine_id
         self.num_blocks = num_blocks
         self.producer = producer
@@ -72,7 +73,9 @@ class WorkerSide:
         self.tp_size = transfer_tp_size(vllm_config)
         self.rank = _tp_rank()
         self.compat = compat_hash(compat_factors(vllm_config))
-        self.host, self.base_port = side_channel_address(vllm_config)
+        self.host, self.base_port = side_channel_address(vllm_config, cfg)
+        self.stock_payload: bytes | None = None
+        """Interop mode: what the scheduler's stock-format listener serves for this rank."""
         self.transport: NixlTransport | None = None
         self.server: SideChannelServer | None = None
         self.endpoint: Endpoint | None = None
@@ -95,7 +98,7 @@ class WorkerSide:
         from kvproto_transports.nixl import NixlTransport, layout_from_tensors
         from kvproto_transports.sidechannel import HandshakeClient, SideChannelServer
 
-        tensors = _unique_tensors(kv_caches)
+        names, tensors = _unique_tensors(kv_caches)
         split = _is_split_kv(tensors[0], self.num_blocks)
         layout = layout_from_tensors(tensors, split_k_and_v=split)
         # NIXL keeps raw addresses: the tensors must outlive the registration.
@@ -117,6 +120,19 @@ class WorkerSide:
             layout.block_lens[0],
             transport.local_peer,
         )
+        if self.producer and self.cfg.lease.accept_legacy:
+            from kvproto_transports.nixl.wire import decode_metadata
+
+            from .stock_interop import build_stock_payload
+
+            meta, _ = decode_metadata(transport.metadata())
+            self.stock_payload = build_stock_payload(
+                self.vllm_config,
+                engine_id=self.engine_id,
+                agent_metadata=meta.agent_metadata,
+                layout=layout,
+                region_names=names,
+            )
         if self.producer:
             self.holder_side = HolderSide(
                 self.cfg.lease,
@@ -152,6 +168,9 @@ class WorkerSide:
             self.reader_side = ReaderSide(reader, client, record=self.record)
             if not self.producer:
                 self._make_endpoint()
+
+    def handshake_metadata(self) -> KvprotoHandshakeMetadata:
+        return KvprotoHandshakeMetadata(rank=self.rank, stock_payload=self.stock_payload)
 
     def _make_endpoint(self) -> None:
         assert self.transport is not None
@@ -269,19 +288,20 @@ def _tp_rank() -> int:
         return 0  # no TP group (a unit test building the worker directly)
 
 
-def _unique_tensors(kv_caches: dict[str, Any]) -> list[torch.Tensor]:
-    """Per-layer tensors in layer order, each once (layers may share one cache)."""
+def _unique_tensors(kv_caches: dict[str, Any]) -> tuple[list[str], list[torch.Tensor]]:
+    """Per-layer names and tensors in layer order, each tensor once (layers may share)."""
     seen: set[int] = set()
-    out = []
-    for tensor in kv_caches.values():
+    names, out = [], []
+    for name, tensor in kv_caches.items():
         ptr = int(tensor.data_ptr())
         if ptr in seen:
             continue
         seen.add(ptr)
+        names.append(name)
         out.append(tensor)
     if not out:
         raise ValueError("no KV cache tensors to register")
-    return out
+    return names, out
 
 
 def _is_split_kv(tensor: torch.Tensor, num_blocks: int) -> bool:
