@@ -154,7 +154,9 @@ class KvprotoConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._worker is None or self._stats is None:
             return None
-        return self._stats.delta(self._worker.stats_snapshot())
+        snapshot = self._worker.stats_snapshot()
+        snapshot["worker_pump_gap_ms_max"] = self._worker.take_pump_gap_ms()
+        return self._stats.delta(snapshot)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -29,6 +29,7 @@ GAUGES = frozenset(
         "holder_sessions",
         "holder_tombstones",
         "reader_pending_reads",
+        "worker_pump_gap_ms_max",
     }
 )
 """Snapshot keys that are levels, not counts."""
@@ -66,7 +67,15 @@ PROM_GAUGES: dict[str, str] = {
     "holder_leases_held": "Leases claimed and kept alive by heartbeats.",
     "holder_sessions": "Reader sessions of this prefill engine.",
     "reader_pending_reads": "Planned reads without a verdict yet.",
+    "worker_pump_gap_ms_max": (
+        "Longest gap between two polls of the lease cores in the last stats interval, ms: "
+        "how late a due heartbeat or done verdict can be (engine step time)."
+    ),
 }
+
+
+def _is_peak(key: str) -> bool:
+    return key.endswith("_max")
 
 
 class DeltaTracker:
@@ -110,7 +119,11 @@ class KvprotoStats(KVConnectorStats):
         for key, value in other.data.get("counters", {}).items():
             counters[key] = counters.get(key, 0) + value
         gauges = {k: dict(v) for k, v in self.data.get("gauges", {}).items()}
-        gauges.update({k: dict(v) for k, v in other.data.get("gauges", {}).items()})
+        for rank, levels in other.data.get("gauges", {}).items():
+            merged = gauges.setdefault(rank, {})
+            for key, value in levels.items():
+                # A level is the newest value; a "_max" gauge keeps the interval's peak.
+                merged[key] = max(merged.get(key, value), value) if _is_peak(key) else value
         self.data = {"counters": counters, "gauges": gauges}
         return self
 
@@ -123,11 +136,14 @@ class KvprotoStats(KVConnectorStats):
         return out
 
     def gauge_totals(self) -> dict[str, int]:
-        """Each gauge summed over ranks."""
+        """Each level summed over ranks; each peak ("_max") the largest over ranks."""
         totals: dict[str, int] = {}
         for per_rank in self.data.get("gauges", {}).values():
             for key, value in per_rank.items():
-                totals[key] = totals.get(key, 0) + value
+                if _is_peak(key):
+                    totals[key] = max(totals.get(key, value), value)
+                else:
+                    totals[key] = totals.get(key, 0) + value
         return totals
 
     def is_empty(self) -> bool:

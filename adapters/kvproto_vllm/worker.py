@@ -88,6 +88,8 @@ class WorkerSide:
         """Introductions whose metadata the transport refused."""
         self._kv_tensors: list[torch.Tensor] = []
         self._closed = False
+        self._last_pump: float | None = None
+        self._max_gap = 0.0
 
     def record(self, kind: str, subject: str, detail: str) -> None:
         self.events.append((time.monotonic(), kind, subject, detail))
@@ -216,6 +218,11 @@ class WorkerSide:
 
     def _pump(self, now: float) -> None:
         assert self.transport is not None
+        # Heartbeats, acks and done verdicts move only here: the longest gap between
+        # pumps bounds how late a due heartbeat can leave (the lag vLLM's step adds).
+        if self._last_pump is not None:
+            self._max_gap = max(self._max_gap, now - self._last_pump)
+        self._last_pump = now
         if self.server is not None:
             for intro in self.server.poll_introductions():
                 try:
@@ -240,6 +247,11 @@ class WorkerSide:
             self.reader_side.on_result(now, result)
 
     # ------------------------------------------------------------ stats, end
+
+    def take_pump_gap_ms(self) -> int:
+        """Longest gap between two pumps since the last call, in ms (heartbeat lag bound)."""
+        gap, self._max_gap = self._max_gap, 0.0
+        return round(gap * 1000)
 
     def stats_snapshot(self) -> dict[str, int]:
         """Cumulative counters and current gauges of this rank, flat names."""

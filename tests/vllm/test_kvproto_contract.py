@@ -148,6 +148,12 @@ def test_stats_aggregate_and_reduce() -> None:
     assert second is not None and other is not None
     total = first.aggregate(second).aggregate(other)
     assert total.reduce() == {"holder_grants": 4, "holder_leases_held": 5}
+    # A peak gauge keeps the interval's maximum per rank and the maximum over ranks.
+    gaps = DeltaTracker("e/0").delta({"worker_pump_gap_ms_max": 30})
+    later = DeltaTracker("e/0").delta({"worker_pump_gap_ms_max": 5})
+    other_rank = DeltaTracker("e/1").delta({"worker_pump_gap_ms_max": 12})
+    assert gaps is not None and later is not None and other_rank is not None
+    assert gaps.aggregate(later).aggregate(other_rank).reduce() == {"worker_pump_gap_ms_max": 30}
     rebuilt = KvprotoConnector.build_kv_connector_stats(total.to_dict())
     assert isinstance(rebuilt, KvprotoStats)
     assert rebuilt.reduce() == total.reduce()
@@ -167,6 +173,7 @@ def test_extra_config() -> None:
     cfg = parse_extra_config({"num_threads": 8, "auth_secret": "x" * 16})
     assert cfg.lease.auth_secret == b"x" * 16 and cfg.side_channel_secret == b"x" * 16
     assert parse_extra_config({"accept_legacy": True}).lease.accept_legacy
+    assert parse_extra_config({"kvproto_side_channel_port": 7000}).kvproto_side_channel_port == 7000
     for bad in (
         {"kv_lease_duration": 3},  # heartbeat interval 0
         {"no_such_key": 1},
@@ -174,6 +181,7 @@ def test_extra_config() -> None:
         {"probe_interval_s": -1},
         {"backends": []},
         {"enforce_handshake_compat": False},
+        {"kvproto_side_channel_port": 70000},
     ):
         with pytest.raises(ConfigError):
             parse_extra_config(bad)

@@ -106,6 +106,7 @@ def check_full_transfer(p: EngineProc, d: EngineProc, figures: dict[str, float])
             "vllm:external_prefix_cache_hits",
             "vllm:kvproto_reader_reads_confirmed",
             "vllm:kvproto_reader_failed_recving",
+            "vllm:kvproto_worker_pump_gap_ms_max",
         ],
     )
     assert d_metrics["vllm:external_prefix_cache_hits"] == n_prompt
@@ -118,6 +119,7 @@ def check_full_transfer(p: EngineProc, d: EngineProc, figures: dict[str, float])
     figures["prompt tok"] = n_prompt
     figures["D external hits"] = d_metrics["vllm:external_prefix_cache_hits"]
     figures["D decode s"] = dec["generate_s"]
+    figures["D pump gap ms (last interval max)"] = d_metrics["vllm:kvproto_worker_pump_gap_ms_max"]
     figures["track->confirmed ms"] = (confirmed[0] - events(d_state, "tracked")[0][0]) * 1e3
     return base
 
