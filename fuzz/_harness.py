@@ -66,11 +66,12 @@ class Pair:
     def snapshot(self) -> Any:
         """Every piece of lease, request and session state (counters excluded).
 
-        Read straight from the cores' internals: the fuzzer calls this twice per input,
-        and going through the public queries (instrumented, and building dicts) cost
-        more than the input itself. Counters, token buckets and the replay window's
-        bookkeeping of *accepted* frames are deliberately left out: invalid input may
-        bump a counter and spend a rate-limit token, nothing else.
+        Read straight from the cores' internals (update this when they change): the
+        fuzzer calls this twice per input, and going through the public queries
+        (instrumented, and building dicts) cost more than the input itself. Counters,
+        token buckets and the replay window's bookkeeping of *accepted* frames are
+        deliberately left out: invalid input may bump a counter and spend a rate-limit
+        token, nothing else.
         """
         h, r = self.holder, self.reader
         leases = tuple(
@@ -80,7 +81,7 @@ class Pair:
                 lease.hard_deadline,
                 lease.owner,
                 lease.expected,
-                tuple(sorted(lease.consumers.items())),
+                tuple(sorted((lease.consumers or {}).items())),  # None when empty
                 tuple(sorted(s.serial for s in lease.sessions)),
             )
             for lease in h._leases.values()
