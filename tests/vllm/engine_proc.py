@@ -250,8 +250,8 @@ class _Server:
         )
 
         out: dict[str, Any] = {}
-        sched_conn = getattr(self.scheduler, "connector", None)
-        if hasattr(sched_conn, "debug_state"):
+        sched_conn: Any = getattr(self.scheduler, "connector", None)
+        if sched_conn is not None and hasattr(sched_conn, "debug_state"):
             out["scheduler"] = sched_conn.debug_state()
         if has_kv_transfer_group():
             worker_conn = get_kv_transfer_group()

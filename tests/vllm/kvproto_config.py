@@ -31,4 +31,8 @@ def stock_config(role: str, **extra: Any) -> dict[str, Any]:
 
 def events(state: dict[str, Any], kind: str) -> list[tuple[float, str, str, str]]:
     """The worker connector's recorded events of one kind."""
-    return [tuple(e) for e in state["worker"]["events"] if e[1] == kind]  # type: ignore[misc]
+    out: list[tuple[float, str, str, str]] = []
+    for t, k, subject, detail in state["worker"]["events"]:
+        if k == kind:
+            out.append((t, k, subject, detail))
+    return out

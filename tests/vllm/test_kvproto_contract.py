@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+from typing import Any
 
 import pytest
 
@@ -174,7 +175,7 @@ def test_extra_config() -> None:
     assert cfg.lease.auth_secret == b"x" * 16 and cfg.side_channel_secret == b"x" * 16
     assert parse_extra_config({"accept_legacy": True}).lease.accept_legacy
     assert parse_extra_config({"kvproto_side_channel_port": 7000}).kvproto_side_channel_port == 7000
-    for bad in (
+    bad_configs: tuple[dict[str, Any], ...] = (
         {"kv_lease_duration": 3},  # heartbeat interval 0
         {"no_such_key": 1},
         {"bidirectional_kv_xfer": True},
@@ -182,6 +183,7 @@ def test_extra_config() -> None:
         {"backends": []},
         {"enforce_handshake_compat": False},
         {"kvproto_side_channel_port": 70000},
-    ):
+    )
+    for bad in bad_configs:
         with pytest.raises(ConfigError):
             parse_extra_config(bad)

@@ -44,6 +44,7 @@ NUM_BLOCKS = 64
 
 def make_scheduler(model: Path, role: str, *, max_num_seqs: int = 8) -> Any:
     import torch
+    from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import (
@@ -62,7 +63,7 @@ def make_scheduler(model: Path, role: str, *, max_num_seqs: int = 8) -> Any:
         max_num_seqs=max_num_seqs,
         enforce_eager=True,
         enable_prefix_caching=False,
-        kv_transfer_config=kvproto_config(role),
+        kv_transfer_config=KVTransferConfig(**kvproto_config(role)),
     )
     cfg = args.create_engine_config()
     cfg.cache_config.num_gpu_blocks = NUM_BLOCKS
@@ -112,7 +113,9 @@ def worker_output(
         req_ids=ids,
         req_id_to_index={r: i for i, r in enumerate(ids)},
         sampled_token_ids=[[7] for _ in ids],
-        kv_connector_output=None if kv.is_empty() else kv,
+        kv_connector_output=(
+            kv if (kv.finished_sending or kv.finished_recving or kv.failed_recving) else None
+        ),
     )
 
 
