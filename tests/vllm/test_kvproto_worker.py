@@ -1,0 +1,251 @@
+"""The connector's worker half, P and D in one process over real NIXL (no engine).
+
+Two ``WorkerSide`` objects (what vLLM's WORKER-role connector delegates to)
+register real torch tensors with real NIXL agents and talk through the real
+side channel; the test plays the scheduler (metadata per step) and checks
+vLLM's reporting rules byte for byte:
+
+* a confirmed read moves exactly the holder's blocks (the tail only, for a
+  partial prefix hit), is reported finished_recving once, and the holder
+  reports finished_sending once;
+* a request aborted while its READ is in flight is not reported until the
+  READ ended (the holder is kept from progressing to hold the READ), then
+  once;
+* a holder that cannot be reached fails the request before its blocks are
+  allocated; the failure is reported (finished + failed + its local blocks)
+  when the Recv arrives.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .vllm_required import require_vllm
+
+require_vllm()
+
+import torch  # noqa: E402
+
+from kvproto.ticket import LeaseMint, LeaseTicket  # noqa: E402
+from kvproto_vllm.config import parse_extra_config  # noqa: E402
+from kvproto_vllm.metadata import Grant, KvprotoMetadata, Recv, Track  # noqa: E402
+from kvproto_vllm.worker import WorkerSide  # noqa: E402
+
+from .engine_proc import free_port  # noqa: E402
+from .kvproto_config import kvproto_config  # noqa: E402
+
+NUM_BLOCKS = 64
+BLOCK_SHAPE = (2, 32, 64)  # CPU LBHNC block: heads x tokens x (K|V)
+LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+INCARNATION = 77
+
+
+def vllm_config(model: Path) -> Any:
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args = EngineArgs(
+        model=str(model),
+        dtype="float32",
+        block_size=32,
+        max_model_len=512,
+        enforce_eager=True,
+        kv_transfer_config=KVTransferConfig(**kvproto_config("kv_both")),
+    )
+    return args.create_engine_config()
+
+
+def make_worker(
+    cfg: Any, engine: str, *, producer: bool, port: int, **extra: Any
+) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
+    adapter = parse_extra_config({"kvproto_side_channel_port": port, **extra})
+    side = WorkerSide(
+        cfg,
+        adapter,
+        engine_id=engine,
+        num_blocks=NUM_BLOCKS,
+        producer=producer,
+        consumer=not producer,
+    )
+    fill = torch.randn if producer else torch.zeros
+    caches = {name: fill(NUM_BLOCKS, *BLOCK_SHAPE) for name in LAYERS}
+    side.register_kv_caches(caches)
+    return side, caches
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model_dir: Path) -> Iterator[tuple[WorkerSide, Any, WorkerSide, Any, Any]]:
+    cfg = vllm_config(tiny_model_dir)
+    p, p_kv = make_worker(cfg, "P-engine", producer=True, port=free_port())
+    d, d_kv = make_worker(cfg, "D-engine", producer=False, port=free_port())
+    try:
+        yield p, p_kv, d, d_kv, cfg
+    finally:
+        d.shutdown()
+        p.shutdown()
+
+
+_MINTS: dict[str, LeaseMint] = {}
+
+
+def mint(p: WorkerSide, request_id: str) -> LeaseTicket:
+    """What P's scheduler half does at request_finished (one mint per engine)."""
+    if p.engine_id not in _MINTS:
+        _MINTS[p.engine_id] = LeaseMint(
+            engine=p.engine_id,
+            incarnation=INCARNATION,
+            tp_size=1,
+            params=p.cfg.lease.params,
+            entropy=secrets.token_bytes,
+        )
+    return _MINTS[p.engine_id].mint(time.monotonic(), request_id=request_id, ttl=30)
+
+
+class Loop:
+    """Steps both workers like two engines would; collects what they report."""
+
+    def __init__(self, p: WorkerSide, d: WorkerSide) -> None:
+        self.p, self.d = p, d
+        self.sending: list[str] = []
+        self.recving: list[str] = []
+        self.failed: list[str] = []
+        self.bad_blocks: set[int] = set()
+
+    def step(
+        self,
+        p_meta: KvprotoMetadata | None = None,
+        d_meta: KvprotoMetadata | None = None,
+        *,
+        step_p: bool = True,
+    ) -> None:
+        if step_p:
+            self.p.start_load_kv(p_meta or KvprotoMetadata(incarnation=INCARNATION))
+            sending, _, _ = self.p.get_transfer_results()
+            self.sending += sorted(sending)
+        self.d.start_load_kv(d_meta or KvprotoMetadata())
+        _, recving, failed = self.d.get_transfer_results()
+        self.recving += sorted(recving)
+        self.failed += sorted(failed)
+        self.bad_blocks |= self.d.take_bad_blocks()
+
+    def run_until(
+        self, what: str, cond: Any, *, step_p: bool = True, timeout_s: float = 20
+    ) -> None:
+        end = time.monotonic() + timeout_s
+        while not cond():
+            assert time.monotonic() < end, (
+                f"{what}: not reached; D events {list(self.d.events)[-6:]}"
+            )
+            self.step(step_p=step_p)
+            time.sleep(0.002)
+
+
+def orders(rid: str, ticket: LeaseTicket, port: int, local: list[int], remote: list[int]) -> Any:
+    track = Track(request_id=rid, ticket=ticket, host="127.0.0.1", port=port)
+    recv = Recv(request_id=rid, local_block_ids=local, remote_block_ids=remote, awaiting=True)
+    return track, recv
+
+
+def test_read_moves_the_blocks_and_reports_once(pair: Any) -> None:
+    p, p_kv, d, d_kv, _ = pair
+    loop = Loop(p, d)
+    ticket = mint(p, "p-req-1")
+    remote, local = [5, 6, 7, 8], [20, 21, 22, 23]
+    track, recv = orders("d-req-1", ticket, p.base_port, local, remote)
+    loop.step(
+        KvprotoMetadata(
+            incarnation=INCARNATION, grants=[Grant(request_id="p-req-1", ticket=ticket)]
+        ),
+        KvprotoMetadata(tracks=[track], recvs=[recv]),
+    )
+    loop.run_until("confirmed", lambda: loop.recving and loop.sending)
+    for _ in range(5):
+        loop.step()
+    assert loop.recving == ["d-req-1"] and loop.failed == [] and not loop.bad_blocks
+    assert loop.sending == ["p-req-1"]
+    for name in LAYERS:
+        assert torch.equal(d_kv[name][local], p_kv[name][remote])
+    loop.step(d_meta=KvprotoMetadata(finishes=["d-req-1"]))  # scheduler stops tracking
+
+    # Partial prefix hit: two local blocks are filled from the last two remote ones.
+    ticket2 = mint(p, "p-req-2")
+    track2, recv2 = orders("d-req-2", ticket2, p.base_port, [30, 31], [9, 10, 11, 12])
+    loop.step(
+        KvprotoMetadata(
+            incarnation=INCARNATION, grants=[Grant(request_id="p-req-2", ticket=ticket2)]
+        ),
+        KvprotoMetadata(tracks=[track2], recvs=[recv2]),
+    )
+    loop.run_until("confirmed", lambda: "d-req-2" in loop.recving and "p-req-2" in loop.sending)
+    for name in LAYERS:
+        assert torch.equal(d_kv[name][[30, 31]], p_kv[name][[11, 12]])
+    assert not torch.equal(d_kv[name][[30, 31]], p_kv[name][[9, 10]])
+    loop.step(d_meta=KvprotoMetadata(finishes=["d-req-2"]))
+
+
+def test_abort_during_read_waits_for_the_read(pair: Any) -> None:
+    p, _, d, _, _ = pair
+    loop = Loop(p, d)
+    ticket = mint(p, "p-req-3")
+    track, recv = orders("d-req-3", ticket, p.base_port, [40, 41], [13, 14])
+    before = d.stats_snapshot()["reader_reads_started"]
+    # The session is open from the previous test: the READ is issued in this very step,
+    # after P's turn, and P does not progress again until the test lets it.
+    loop.step(
+        KvprotoMetadata(
+            incarnation=INCARNATION, grants=[Grant(request_id="p-req-3", ticket=ticket)]
+        ),
+        KvprotoMetadata(tracks=[track], recvs=[recv]),
+    )
+    assert d.stats_snapshot()["reader_reads_started"] == before + 1
+    loop.step(d_meta=KvprotoMetadata(finishes=["d-req-3"]), step_p=False)  # client aborts
+    for _ in range(20):  # the READ cannot finish while P does not progress
+        loop.step(step_p=False)
+        time.sleep(0.005)
+    assert "d-req-3" not in loop.recving, "reported while a READ may still land in the blocks"
+    loop.run_until("verdict after the read", lambda: "d-req-3" in loop.recving)
+    for _ in range(5):
+        loop.step()
+    assert loop.recving.count("d-req-3") == 1
+    assert "d-req-3" not in loop.failed  # aborted: nothing to recompute
+    assert loop.sending.count("p-req-3") == 1
+
+
+def test_unreachable_holder_fails_before_allocation(pair: Any) -> None:
+    p, _, _, _, cfg = pair
+    d2, _ = make_worker(
+        cfg,
+        "D2-engine",
+        producer=False,
+        port=free_port(),
+        handshake_attempts=1,
+        handshake_timeout_s=0.3,
+    )
+    try:
+        loop = Loop(p, d2)
+        ticket = mint(p, "p-req-4")
+        dead_port = free_port()  # nobody listens: the handshake times out
+        track, recv = orders("d-req-4", ticket, dead_port, [50, 51], [1, 2])
+        loop.step(d_meta=KvprotoMetadata(tracks=[track]), step_p=False)
+        loop.run_until(
+            "handshake failure",
+            lambda: d2.stats_snapshot()["reader_handshake_failures"] == 1,
+            step_p=False,
+        )
+        loop.step(step_p=False)
+        assert loop.recving == []  # not allocated yet: nothing may be reported
+        loop.step(d_meta=KvprotoMetadata(recvs=[recv]), step_p=False)
+        assert loop.recving == ["d-req-4"] and loop.failed == ["d-req-4"]
+        assert loop.bad_blocks == {50, 51}
+        events = [e[1:] for e in d2.events]
+        assert ("failed", "d-req-4", "connect-failed (queued)") in events
+    finally:
+        d2.shutdown()
