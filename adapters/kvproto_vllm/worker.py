@@ -63,15 +63,19 @@ class WorkerSide:
         num_blocks: int,
         producer: bool,
         consumer: bool,
+        tp: tuple[int, int] | None = None,
     ) -> None:
+        """``tp`` = (rank, size) overrides vLLM's TP group (tests run several ranks in one
+        process); by default both come from vLLM."""
         self.cfg = cfg
         self.vllm_config = vllm_config
         self.engine_id = engine_id
         self.num_blocks = num_blocks
         self.producer = producer
         self.consumer = consumer
-        self.tp_size = transfer_tp_size(vllm_config)
-        self.rank = _tp_rank()
+        self.rank, self.tp_size = (
+            tp if tp is not None else (_tp_rank(), transfer_tp_size(vllm_config))
+        )
         self.compat = compat_hash(compat_factors(vllm_config))
         self.host, self.base_port = side_channel_address(vllm_config, cfg)
         self.stock_payload: bytes | None = None

@@ -13,13 +13,17 @@ vLLM's reporting rules byte for byte:
   once;
 * a holder that cannot be reached fails the request before its blocks are
   allocated; the failure is reported (finished + failed + its local blocks)
-  when the Recv arrives.
+  when the Recv arrives;
+* heterogeneous TP both ways (ranks overridden, several per process): each
+  reader rank reads its slice (head-major CPU block), a holder rank frees only
+  when every consumer it expects has read.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -249,3 +253,149 @@ def test_unreachable_holder_fails_before_allocation(pair: Any) -> None:
         assert ("failed", "d-req-4", "connect-failed (queued)") in events
     finally:
         d2.shutdown()
+
+
+class Ranks:
+    """Several worker ranks of a P and a D engine, stepped together."""
+
+    def __init__(self, ps: list[WorkerSide], ds: list[WorkerSide]) -> None:
+        self.ps, self.ds = ps, ds
+        self.sending: dict[int, list[str]] = {i: [] for i in range(len(ps))}
+        self.recving: dict[int, list[str]] = {i: [] for i in range(len(ds))}
+        self.failed: list[str] = []
+
+    def step(
+        self,
+        p_meta: KvprotoMetadata | None = None,
+        d_meta: KvprotoMetadata | None = None,
+        *,
+        only_d: set[int] | None = None,
+    ) -> None:
+        for i, p in enumerate(self.ps):  # vLLM broadcasts one metadata to every rank
+            p.start_load_kv(p_meta or KvprotoMetadata(incarnation=INCARNATION))
+            self.sending[i] += sorted(p.get_transfer_results()[0])
+        for i, d in enumerate(self.ds):
+            if only_d is not None and i not in only_d:
+                continue
+            d.start_load_kv(d_meta or KvprotoMetadata())
+            _, recving, failed = d.get_transfer_results()
+            self.recving[i] += sorted(recving)
+            self.failed += sorted(failed)
+
+    def run_until(self, what: str, cond: Any, *, only_d: set[int] | None = None) -> None:
+        end = time.monotonic() + 20
+        while not cond():
+            assert time.monotonic() < end, f"{what}: not reached"
+            self.step(only_d=only_d)
+            time.sleep(0.002)
+
+
+def free_port_pair() -> int:
+    """A port p with p + 1 also free now (rank r of a TP-2 holder listens on base + r)."""
+    for _ in range(50):
+        base = free_port()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", base + 1))
+            except OSError:
+                continue
+        return base
+    raise RuntimeError("no two adjacent free ports")
+
+
+def tp_worker(
+    cfg: Any, engine: str, rank: int, size: int, heads: int, *, producer: bool, port: int
+) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
+    adapter = parse_extra_config({"kvproto_side_channel_port": port})
+    side = WorkerSide(
+        cfg,
+        adapter,
+        engine_id=engine,
+        num_blocks=NUM_BLOCKS,
+        producer=producer,
+        consumer=not producer,
+        tp=(rank, size),
+    )
+    fill = torch.randn if producer else torch.zeros
+    # A TP rank holds heads / size KV heads of the head-major CPU block.
+    caches = {name: fill(NUM_BLOCKS, heads, 32, 64) for name in LAYERS}
+    side.register_kv_caches(caches)
+    return side, caches
+
+
+def grant_and_orders(
+    ticket: LeaseTicket, port: int, local: list[int], remote: list[int]
+) -> tuple[KvprotoMetadata, KvprotoMetadata]:
+    track, recv = orders("d-tp", ticket, port, local, remote)
+    return (
+        KvprotoMetadata(incarnation=INCARNATION, grants=[Grant(request_id="p-tp", ticket=ticket)]),
+        KvprotoMetadata(tracks=[track], recvs=[recv]),
+    )
+
+
+def test_reader_tp_wider_than_holder(pair: Any) -> None:
+    """P TP 1 -> D TP 2: each D rank reads its half (its head) of every P block; P frees
+    only after both D ranks' done frames (expected consumers = 2)."""
+    cfg = pair[4]
+    base = free_port()
+    p, p_kv = tp_worker(cfg, "P-tp1", 0, 1, 2, producer=True, port=base)
+    d0, d0_kv = tp_worker(cfg, "D-tp2", 0, 2, 1, producer=False, port=free_port())
+    d1, d1_kv = tp_worker(cfg, "D-tp2", 1, 2, 1, producer=False, port=free_port())
+    try:
+        ranks = Ranks([p], [d0, d1])
+        mint_ = LeaseMint(
+            engine="P-tp1",
+            incarnation=INCARNATION,
+            tp_size=1,
+            params=p.cfg.lease.params,
+            entropy=secrets.token_bytes,
+        )
+        ticket = mint_.mint(time.monotonic(), request_id="p-tp", ttl=30)
+        p_meta, d_meta = grant_and_orders(ticket, base, [3, 4], [7, 8])
+        ranks.step(p_meta, d_meta, only_d={0})
+        ranks.run_until("rank 0 confirmed", lambda: ranks.recving[0], only_d={0})
+        for _ in range(10):
+            ranks.step(only_d={0})
+        assert ranks.sending[0] == [], "P freed before its second consumer read"
+        ranks.step(d_meta=d_meta, only_d={1})
+        ranks.run_until("P freed", lambda: ranks.sending[0])
+        assert ranks.recving == {0: ["d-tp"], 1: ["d-tp"]} and ranks.failed == []
+        assert ranks.sending[0] == ["p-tp"]
+        for name in LAYERS:
+            assert torch.equal(d0_kv[name][[3, 4]], p_kv[name][[7, 8]][:, 0:1])
+            assert torch.equal(d1_kv[name][[3, 4]], p_kv[name][[7, 8]][:, 1:2])
+    finally:
+        for side in (d1, d0, p):
+            side.shutdown()
+
+
+def test_holder_tp_wider_than_reader(pair: Any) -> None:
+    """P TP 2 -> D TP 1: the D rank reads whole blocks from both P ranks (side channels on
+    base + rank) into the two halves of its block; each P rank frees on its own done."""
+    cfg = pair[4]
+    base = free_port_pair()
+    p0, p0_kv = tp_worker(cfg, "P-tp2", 0, 2, 1, producer=True, port=base)
+    p1, p1_kv = tp_worker(cfg, "P-tp2", 1, 2, 1, producer=True, port=base)
+    d, d_kv = tp_worker(cfg, "D-tp1", 0, 1, 2, producer=False, port=free_port())
+    try:
+        assert (p0.server.port, p1.server.port) == (base, base + 1)  # type: ignore[union-attr]
+        ranks = Ranks([p0, p1], [d])
+        mint_ = LeaseMint(
+            engine="P-tp2",
+            incarnation=INCARNATION,
+            tp_size=2,
+            params=p0.cfg.lease.params,
+            entropy=secrets.token_bytes,
+        )
+        ticket = mint_.mint(time.monotonic(), request_id="p-tp", ttl=30)
+        p_meta, d_meta = grant_and_orders(ticket, base, [5, 6], [9, 10])
+        ranks.step(p_meta, d_meta)
+        ranks.run_until("both P ranks freed", lambda: ranks.sending[0] and ranks.sending[1])
+        ranks.run_until("confirmed", lambda: ranks.recving[0])
+        assert ranks.sending == {0: ["p-tp"], 1: ["p-tp"]} and ranks.failed == []
+        for name in LAYERS:
+            assert torch.equal(d_kv[name][[5, 6]][:, 0:1], p0_kv[name][[9, 10]])
+            assert torch.equal(d_kv[name][[5, 6]][:, 1:2], p1_kv[name][[9, 10]])
+    finally:
+        for side in (d, p1, p0):
+            side.shutdown()
