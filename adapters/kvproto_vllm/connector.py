@@ -223,6 +223,16 @@ class KvprotoConnector(KVConnectorBase_V1, SupportsHMA):
         # aborted request's lease abort reaches the prefill engine (see consumer.py).
         return self._scheduler is not None and self._scheduler.has_pending_work()
 
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        # As stock NixlConnector: head-major blocks with K|V packed per head ("LBHNC"),
+        # so a TP slice of a block is a slice of heads (heterogeneous TP) and stock
+        # peers see the same layout (interop). MLA keeps vLLM's default.
+        model = vllm_config.model_config
+        if model is None or model.use_mla:
+            return None
+        return "LBHNC"
+
     # ================================================================ stats
 
     @classmethod

@@ -110,6 +110,10 @@ def test_signatures_match_base() -> None:
         "get_kv_connector_stats",
         "build_kv_connector_stats",
         "build_prom_metrics",
+        "get_required_kvcache_layout",
+        "get_handshake_metadata",
+        "set_xfer_handshake_metadata",
+        "has_pending_push_work",
         "shutdown",
     ):
         assert name in checked, f"{name} was not compared"
