@@ -94,10 +94,10 @@ def main() -> int:
             capture_output=True,
         )
 
-    share = args.runs // len(targets)
+    share, extra = divmod(args.runs, len(targets))
     work = []
     for target in targets:
-        left, n = share, 0
+        left, n = share + (1 if targets.index(target) < extra else 0), 0
         while left > 0:
             runs = min(CHUNK, left)
             work.append((target, runs, 1000 * (1 + targets.index(target)) + n))
