@@ -159,7 +159,9 @@ class Endpoint:
                         remote_slice=order.remote_slice,
                         notify=order.notify,
                     )
-                except (PeerUnreachable, UnknownPeer) as exc:
+                except TransportError as exc:
+                    # Unreachable peer, layout mismatch, ...: that part cannot be read, so the
+                    # request recomputes (read_failed fails the whole request once).
                     log.warning("read of %s from %s refused: %s", request_id, order.peer, exc)
                     reader.read_failed(now, request_id, order.holder_rank)
                     continue
