@@ -242,7 +242,7 @@ class Reader:
         if not self.ready_to_read(request_id):
             raise LocalProtocolError(f"request {request_id!r} has no open session yet")
         bound = min(self._deadline_bound(req, rank, now) for rank in req.parts)
-        if now + self.config.read_margin >= bound:
+        if now + self._read_margin(req) >= bound:
             self.stats.declined += 1
             self._fail(now, req, FailReason.DEADLINE_TOO_CLOSE)
             return ReadDeclined(reason=FailReason.DEADLINE_TOO_CLOSE)
@@ -775,6 +775,14 @@ class Reader:
         if not session.skew.known:
             return -math.inf
         return session.skew.peer_deadline_to_local(req.ticket.deadline, now)
+
+    def _read_margin(self, req: _Request) -> float:
+        """The configured margin, but never more than half the holder's extension.
+
+        A reader configured for 30 s leases would otherwise decline every read
+        from a holder that advertises 6 s leases (extension 4 s < margin 5 s).
+        """
+        return min(self.config.read_margin, req.ticket.params.extension / 2)
 
     def _interval(self, session: _Session) -> float:
         params = session.params
