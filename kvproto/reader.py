@@ -275,7 +275,7 @@ class Reader:
             return
         part.state = read_next(part.state, ReadInput.READ_DONE)
         session = self._sessions[(req.ticket.holder_engine, holder_rank)]
-        self._release(session, req.ticket.lease, request_id)
+        self._release(now, session, req.ticket.lease, request_id)
         if part.early_held:
             self._held(req, part)
             return
@@ -664,9 +664,15 @@ class Reader:
         session.count += 1
         session.digest = (session.digest + wire.id_hash(lease)) & wire.MAX_U64
 
-    def _release(self, session: _Session, lease: int, request_id: str) -> bool:
+    def _release(self, now: float, session: _Session, lease: int, request_id: str) -> bool:
         if session.leases.get(lease) != request_id:
             return False  # not held (or the id is another incarnation's request)
+        req = self._requests.get(request_id)
+        part = None if req is None else req.parts.get(session.rank)
+        if req is not None and part is not None:
+            # Later in-sync heartbeats no longer cover this lease: keep what the
+            # earlier ones proved, and stop deriving anything new from them.
+            part.lower_bound = max(part.lower_bound, self._in_sync_bound(req, part, session, now))
         del session.leases[lease]
         session.count -= 1
         session.digest = (session.digest - wire.id_hash(lease)) & wire.MAX_U64
@@ -679,7 +685,7 @@ class Reader:
         if req.request_id in session.parked:
             session.parked.remove(req.request_id)  # never claimed: nothing to abort
             return
-        self._release(session, lease, req.request_id)
+        self._release(now, session, lease, req.request_id)
         if session.state is SessionState.OPEN:
             session.pending_aborts[lease] = req.proof
             self._beat(now, session)  # free the holder's memory now, not at the next tick
@@ -706,7 +712,7 @@ class Reader:
                 session = self._sessions[(req.ticket.holder_engine, rank)]
                 if req.request_id in session.parked:
                     session.parked.remove(req.request_id)
-                self._release(session, req.ticket.lease, req.request_id)
+                self._release(now, session, req.ticket.lease, req.request_id)
         self._out.append(RequestFailed(request_id=req.request_id, reason=reason))
 
     def _held(self, req: _Request, part: _Part) -> None:
@@ -751,11 +757,17 @@ class Reader:
         if session.incarnation is not None and req.ticket.holder_incarnation != session.incarnation:
             return -math.inf  # a ticket of another holder process: nothing is known
         bound = max(part.lower_bound, self._ticket_bound(req, session, now))
-        if part.claimed_seq <= session.in_sync_seq and session.params is not None:
-            renewed = session.in_sync_since + session.params.extension * (1 - self._drift)
-            # The session renews the lease, but never past the holder's hard cap.
-            bound = max(bound, min(renewed, self._hard_bound(req, session, now)))
+        if session.leases.get(req.ticket.lease) == req.request_id:
+            bound = max(bound, self._in_sync_bound(req, part, session, now))
         return bound
+
+    def _in_sync_bound(self, req: _Request, part: _Part, session: _Session, now: float) -> float:
+        """What the last in-sync heartbeat proves about a lease this session holds."""
+        if part.claimed_seq > session.in_sync_seq or session.params is None:
+            return -math.inf
+        renewed = session.in_sync_since + session.params.extension * (1 - self._drift)
+        # The session renews the lease, but never past the holder's hard cap.
+        return min(renewed, self._hard_bound(req, session, now))
 
     def _hard_bound(self, req: _Request, session: _Session, now: float) -> float:
         """Earliest local time the holder's max_hold can end the lease (inf if unknown)."""
