@@ -447,3 +447,27 @@ def test_reader_bound_and_decline_respect_max_hold() -> None:
     assert 59.98 <= bound <= 60.0  # minus drift allowances over seconds, not the 20 s extension
     net.run_until(55.5)
     assert isinstance(net.start_read("D0", "r1"), ReadDeclined)  # 55.5 + 5 > 59.99
+
+
+def test_bound_of_a_read_lease_stops_following_later_heartbeats() -> None:
+    """Once rank 0's read completed its session no longer carries the lease (the holder
+    detached it at the done): heartbeats in sync after that prove nothing about it. The
+    bound used to say 34.99 s for a lease that only rank 1's silent session kept to 30 s."""
+    net = Net()
+    net.add_holder("P0")
+    net.add_reader("D0", rank=0, tp_size=2)
+    net.add_reader("D1", rank=1, tp_size=2)
+    ticket = net.grant("P0", "p-r")
+    net.track("D0", "r", ticket)
+    net.track("D1", "r", ticket)
+    net.run_until(3.0)
+    net.crash("D1")  # its session lives until 0 + 20
+    net.run_until(14.9)
+    net.frame_filter = lambda s, d, p: not isinstance(wire.decode(p), wire.DoneAck)
+    net.start_read("D0", "r")  # the done arrives, its HELD verdict is lost
+    h, r = net.holder("P0"), net.reader("D0")
+    for t in (14.9, 15.0, 17.0, 19.0):
+        net.run_until(t)
+        assert h.lease_state(ticket.lease) is LeaseState.HELD
+        assert r.state("r") == {0: ReadState.AWAITING_ACK}
+        assert r.deadline_bound(net.local("D0"), "r") <= h.deadline(ticket.lease) == 30.0
