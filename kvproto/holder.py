@@ -534,10 +534,15 @@ class Holder:
         lease = self._check_claim(session, claim)
         if lease is None:
             verdict = DoneVerdict.REFUSED
-        elif lease.consumers is not None and session.rank in lease.consumers and (
-            lease.state is LeaseState.RELEASED or not lease.ended
+        elif (
+            lease.consumers is not None
+            and lease.consumers.get(session.rank) == session.serial
+            and (lease.state is LeaseState.RELEASED or not lease.ended)
         ):
-            # A duplicate from a consumer already counted: same answer as before.
+            # A duplicate from the very session already counted: same answer as before.
+            # Keyed by session, not by rank: if someone else's done for this rank came
+            # first (a replayed Hello without auth_secret), the real reader's done after
+            # the free is answered LATE, so its read is fenced instead of trusted.
             self.stats.duplicate_done += 1
             verdict = DoneVerdict.HELD
         elif lease.ended:
@@ -547,7 +552,7 @@ class Holder:
         else:
             if lease.consumers is None:
                 lease.consumers = {}
-            lease.consumers[session.rank] = session.incarnation
+            lease.consumers.setdefault(session.rank, session.serial)
             if len(lease.consumers) >= lease.expected:
                 self._end(now, lease, LeaseInput.LAST_DONE, ReleaseReason.DONE)
             else:
