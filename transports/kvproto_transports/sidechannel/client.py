@@ -230,7 +230,9 @@ def _await_reply(
         body = frames[0]
         try:
             reply = wire.reply_decoder.decode(body)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        # Invalid UTF-8 in a string field raises UnicodeDecodeError (a ValueError),
+        # not DecodeError: found by fuzz/fuzz_handshake.py.
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
             raise BadReply(f"undecodable reply: {exc}") from exc
         if reply.nonce != nonce and reply.error != wire.ERR_UNAUTHENTICATED:
             continue  # a late answer to an earlier round trip: not ours

@@ -200,7 +200,9 @@ class SideChannelServer:
             return
         try:
             req = wire.request_decoder.decode(body)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        # Invalid UTF-8 in a string field raises UnicodeDecodeError (a ValueError),
+        # not DecodeError: found by fuzz/fuzz_handshake.py.
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
             self._count("malformed")
             self._reply_error(identity, wire.ERR_MALFORMED, 0, b"", str(exc)[:200])
             return
