@@ -115,11 +115,6 @@ def test_partition_kvproto_recomputes_but_never_corrupts() -> None:
     assert fig("partition", "fixed-short", "overlapped_reads") > 0
 
 
-@pytest.mark.xfail(
-    reason="core bug (reported): Reader.track fails every ticket of a restarted holder with "
-    "HOLDER_RESTARTED because the session keeps the old incarnation",
-    strict=False,
-)
 def test_prefill_restart_costs_kvproto_no_more_than_the_baseline() -> None:
     kv = fig("prefill-restart", "kvproto", "wasted_prefill_tokens")
     assert kv <= fig("prefill-restart", "vllm-lease", "wasted_prefill_tokens")
