@@ -8,6 +8,9 @@ stock internals are accepted and ignored (:data:`IGNORED_STOCK_KEYS`), so a
 config written for the stock connector loads; a stock key whose behaviour is
 not implemented here (``bidirectional_kv_xfer: true``) is refused loudly
 rather than silently doing something else. Any other key is an error.
+
+``kv_transport`` (:data:`KV_TRANSPORTS`) picks the transport the worker runs
+(:mod:`.transport_choice`); every other key means the same with either.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ IGNORED_STOCK_KEYS = frozenset({"num_threads", "engine_ttl"})
 
 _DEFAULT_DURATION = LeaseConfig().kv_lease_duration
 
+KV_TRANSPORTS = ("nixl", "ucx")
+"""Values of ``kv_transport``; the first is the default (stock NixlConnector's transport)."""
+
 DEFAULT_READ_MARGIN = 5.0
 """vLLM's turn-2 read margin; capped at half the lease extension for short leases."""
 
@@ -34,10 +40,13 @@ class AdapterConfig:
 
     lease: LeaseConfig
     """Lease protocol settings, validated by the core."""
+    kv_transport: str = KV_TRANSPORTS[0]
+    """Which transport moves the blocks and frames: ``"nixl"`` or ``"ucx"`` (ucxx). Both
+    engines of a pair must use the same one (it is part of the handshake compat hash)."""
     backends: tuple[str, ...] = ("UCX",)
-    """NIXL backends (stock key ``backends``)."""
+    """NIXL backends (stock key ``backends``); unused with ``kv_transport: "ucx"``."""
     probe_interval_s: float | None = 1.0
-    """How often the worker probes its NIXL peers so a dead peer surfaces as PeerLost
+    """How often the worker probes its transport peers so a dead peer surfaces as PeerLost
     (a holder then frees at once instead of at lease expiry); None disables probing."""
     handshake_timeout_s: float = 5.0
     """Side-channel round-trip timeout (stock: 5 s)."""
@@ -89,6 +98,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> AdapterConfig:
     own = {k: v for k, v in values.items() if k in ADAPTER_KEYS}
     return AdapterConfig(
         lease=lease,
+        kv_transport=_kv_transport(own.get("kv_transport", KV_TRANSPORTS[0]), lease),
         backends=_backends(own.get("backends", ("UCX",))),
         probe_interval_s=_optional_positive("probe_interval_s", own.get("probe_interval_s", 1.0)),
         handshake_timeout_s=_positive("handshake_timeout_s", own.get("handshake_timeout_s", 5.0)),
@@ -110,6 +120,20 @@ def _default_read_margin(lease_values: Mapping[str, Any]) -> float:
         return DEFAULT_READ_MARGIN
     extension = duration * 2 // 3
     return float(min(DEFAULT_READ_MARGIN, extension / 2))
+
+
+def _kv_transport(value: Any, lease: LeaseConfig) -> str:
+    if not isinstance(value, str) or value.lower() not in KV_TRANSPORTS:
+        raise ConfigError(
+            f"kv_transport must be one of {', '.join(map(repr, KV_TRANSPORTS))}, got {value!r}"
+        )
+    kind = value.lower()
+    if kind != "nixl" and lease.accept_legacy:
+        # Stock decoders find the holder through NIXL agent metadata and speak NIXL notifs.
+        raise ConfigError(
+            f"accept_legacy (stock NixlConnector interop) needs kv_transport 'nixl', not {kind!r}"
+        )
+    return kind
 
 
 def _backends(value: Any) -> tuple[str, ...]:
