@@ -157,6 +157,8 @@ class Engine:
         self._reported: set[PeerId] = set()
         self._orphans: deque[tuple[Any, Any]] = deque()
         self._stopping = False
+        self.wakeup: Callable[[], None] | None = None
+        """Called on this thread when events wait for ``poll`` (an event loop's wakeup)."""
 
     # --- API side ---------------------------------------------------------
 
@@ -207,6 +209,7 @@ class Engine:
             self._shared.fail(f"UCX engine crashed: {type(exc).__name__}: {exc}")
             for peer in list(self._conns):
                 self._report_lost(peer, "local UCX engine crashed")
+            self._notify()
         finally:
             self._teardown()
 
@@ -250,10 +253,22 @@ class Engine:
             self._advance_reads(now)
             self._probe_idle(now)
             self._handle_closed()
+            self._notify()
             self._sleeping = True
             if not self._commands:
                 self._worker.progress_worker_event(epoll_timeout=wait_ms)
             self._sleeping = False
+
+    def _notify(self) -> None:
+        # Once per iteration while events are unpolled, before sleeping: a
+        # coalescing waker (asyncio's call_soon_threadsafe behind a flag) costs
+        # one attribute check here, and no event waits for the next idle_wait_ms.
+        wakeup = self.wakeup
+        if wakeup is not None and self._shared.events:
+            try:
+                wakeup()
+            except Exception:
+                log.exception("wakeup callback of %s failed", self._cfg.local_peer)
 
     # --- commands ----------------------------------------------------------
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
@@ -291,6 +291,19 @@ class UcxTransport:
                 out.append(events.popleft())
             except IndexError:
                 return out
+
+    def set_wakeup(self, callback: Callable[[], None] | None) -> None:
+        """Have ``callback`` called whenever events wait for :meth:`poll`; None removes it.
+
+        It runs on the engine thread, once per engine iteration while events
+        are unpolled (so possibly again before the next ``poll``): it must be
+        cheap, thread-safe and must not call this transport (asyncio:
+        ``loop.call_soon_threadsafe`` behind a flag, see
+        :mod:`kvproto_transports.aio`).
+        """
+        self._engine.wakeup = callback
+        if callback is not None and self._shared.events:
+            callback()
 
     # --- memory and reads ------------------------------------------------
 
