@@ -19,9 +19,35 @@ import enum
 
 import msgspec
 
-from kvproto.errors import LocalProtocolError
 from kvproto.tpmath import BlockLayout
 from kvproto.transport import BadMetadata
+from kvproto_transports.metadata_envelope import (
+    Envelope,
+    LayoutWire,
+    check_memory_kind,
+    decode_envelope,
+    encode_envelope,
+    layout_from_metadata,
+    layout_to_wire,
+)
+
+__all__ = [
+    "KEY_BITS",
+    "KEY_MASK",
+    "WIRE_KIND",
+    "WIRE_VERSION",
+    "FrameKind",
+    "Hello",
+    "LayoutWire",
+    "UcxMetadata",
+    "decode_hello",
+    "decode_metadata",
+    "encode_metadata",
+    "hello_body",
+    "layout_to_wire",
+    "make_tag",
+    "split_tag",
+]
 
 WIRE_KIND = "kvproto-ucx"
 WIRE_VERSION = 1
@@ -54,28 +80,12 @@ def split_tag(tag: int) -> tuple[int, int]:
     return tag >> KEY_BITS, tag & KEY_MASK
 
 
-class LayoutWire(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A :class:`~kvproto.tpmath.BlockLayout` on the wire."""
+class UcxMetadata(Envelope, frozen=True):
+    """Everything a peer needs to reach and read from one UcxTransport endpoint.
 
-    region_addrs: tuple[int, ...]
-    """Base address of each region."""
-    block_lens: tuple[int, ...]
-    """Bytes per block in each region."""
-    num_blocks: int
-    """Blocks per region."""
-    device_id: int
-    """Device index of the memory."""
-    memory_kind: str
-    """``DRAM`` or ``VRAM``."""
+    ``kind`` is always :data:`WIRE_KIND`, ``version`` the sender's :data:`WIRE_VERSION`.
+    """
 
-
-class UcxMetadata(msgspec.Struct, frozen=True):
-    """Everything a peer needs to reach and read from one UcxTransport endpoint."""
-
-    kind: str
-    """Always :data:`WIRE_KIND`; guards against feeding another transport's blob."""
-    version: int
-    """:data:`WIRE_VERSION` of the sender."""
     peer: str
     """The endpoint's PeerId (``local_peer``), unique per incarnation."""
     incarnation: int
@@ -97,64 +107,34 @@ class Hello(msgspec.Struct, frozen=True, array_like=True):
     """The PeerId the caller means to reach; a listener of another incarnation refuses."""
 
 
-_meta_encoder = msgspec.msgpack.Encoder()
+_hello_encoder = msgspec.msgpack.Encoder()
 _meta_decoder = msgspec.msgpack.Decoder(UcxMetadata)
 _hello_decoder = msgspec.msgpack.Decoder(Hello)
 
 
-def layout_to_wire(layout: BlockLayout) -> LayoutWire:
-    """Convert a layout for the wire."""
-    return LayoutWire(
-        region_addrs=layout.region_addrs,
-        block_lens=layout.block_lens,
-        num_blocks=layout.num_blocks,
-        device_id=layout.device_id,
-        memory_kind=layout.memory_kind,
-    )
-
-
 def encode_metadata(meta: UcxMetadata) -> bytes:
     """Encode for ``metadata()``."""
-    return _meta_encoder.encode(meta)
+    return encode_envelope(meta)
 
 
 def decode_metadata(data: bytes) -> tuple[UcxMetadata, BlockLayout | None]:
     """Decode what ``add_peer`` was given; anything unusable is :class:`BadMetadata`."""
-    try:
-        meta = _meta_decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise BadMetadata(f"not UCX endpoint metadata: {exc}") from exc
-    if meta.kind != WIRE_KIND:
-        raise BadMetadata(f"metadata is for transport {meta.kind!r}, not {WIRE_KIND!r}")
-    if meta.version != WIRE_VERSION:
-        raise BadMetadata(f"unsupported UCX metadata version {meta.version}")
+    meta = decode_envelope(_meta_decoder, data, kind=WIRE_KIND, version=WIRE_VERSION, label="UCX")
     if not meta.peer or not meta.worker_address:
         raise BadMetadata("metadata without a peer id or worker address")
     if meta.layout is None:
         if meta.rkeys:
             raise BadMetadata("remote keys without a layout")
         return meta, None
-    wl = meta.layout
-    if wl.memory_kind not in ("DRAM", "VRAM"):
-        raise BadMetadata(f"unknown memory kind {wl.memory_kind!r}")
-    if len(meta.rkeys) != len(wl.region_addrs) or not all(meta.rkeys):
+    check_memory_kind(meta.layout)
+    if len(meta.rkeys) != len(meta.layout.region_addrs) or not all(meta.rkeys):
         raise BadMetadata("need one non-empty remote key per region")
-    try:
-        layout = BlockLayout(
-            region_addrs=wl.region_addrs,
-            block_lens=wl.block_lens,
-            num_blocks=wl.num_blocks,
-            device_id=wl.device_id,
-            memory_kind=wl.memory_kind,
-        )
-    except LocalProtocolError as exc:
-        raise BadMetadata(f"invalid layout in metadata: {exc}") from exc
-    return meta, layout
+    return meta, layout_from_metadata(meta.layout)
 
 
 def hello_body(sender: str, target: str) -> bytes:
     """The body of a HELLO frame."""
-    return _meta_encoder.encode(Hello(sender=sender, target=target))
+    return _hello_encoder.encode(Hello(sender=sender, target=target))
 
 
 def decode_hello(body: bytes) -> Hello | None:
