@@ -138,17 +138,21 @@ class _Outcomes(Generic[K, V]):
         self._done.pop(key, None)
         return value
 
-    def forget(self, key: K) -> None:
+    def forget(self, key: K, what: str) -> None:
         fut = self._open.pop(key, None)
         self._done.pop(key, None)
-        if fut is not None:
-            fut.cancel()
+        if fut is not None:  # not cancel(): a waiter would take it for its own cancellation
+            self._fail(fut, LocalProtocolError(f"{what} was finished before its outcome"))
 
     def close(self, exc: BaseException) -> None:
         for fut in self._open.values():
-            fut.set_exception(exc)
-            fut.exception()  # retrieved: no "never retrieved" log for outcomes nobody awaited
+            self._fail(fut, exc)
         self._open.clear()
+
+    @staticmethod
+    def _fail(fut: asyncio.Future[V], exc: BaseException) -> None:
+        fut.set_exception(exc)
+        fut.exception()  # retrieved: no "never retrieved" log for outcomes nobody awaited
 
 
 class AsyncEndpoint:
@@ -225,6 +229,7 @@ class AsyncEndpoint:
 
     def grant(self, request_id: str, *, ttl: float | None = None) -> LeaseTicket:
         """``Holder.grant`` now; :meth:`wait_freed` can then await the lease."""
+        self._check()
         ticket = self.holder.grant(self.now(), request_id=request_id, ttl=ttl)
         self._freed.expect(ticket.lease)
         self.wake()
@@ -232,12 +237,14 @@ class AsyncEndpoint:
 
     def adopt(self, ticket: LeaseTicket) -> None:
         """``Holder.adopt`` now (a ticket minted by the scheduler for this engine)."""
+        self._check()
         self.holder.adopt(self.now(), ticket)
         self._freed.expect(ticket.lease)
         self.wake()
 
     def revoke(self, lease_id: int) -> None:
         """``Holder.revoke`` now."""
+        self._check()
         self.holder.revoke(self.now(), lease_id)
         self.wake()
 
@@ -257,18 +264,21 @@ class AsyncEndpoint:
 
     def track(self, request_id: str, ticket: LeaseTicket) -> None:
         """``Reader.track`` now: heartbeats start, a ``Connect`` goes to the connector."""
+        self._check()
         self.reader.track(self.now(), request_id=request_id, ticket=ticket)
         self._requests.expect(request_id)
         self.wake()
 
     def connected(self, engine: str, rank: int, metadata: bytes) -> PeerId:
         """Answer a ``Connect`` with the holder's transport metadata (without a connector)."""
+        self._check()
         peer = self.endpoint.connected(self.now(), engine=engine, rank=rank, metadata=metadata)
         self.wake()
         return peer
 
     def connect_failed(self, engine: str, rank: int) -> None:
         """Answer a ``Connect``: unreachable, its requests fail."""
+        self._check()
         self.endpoint.connect_failed(self.now(), engine=engine, rank=rank)
         self.wake()
 
@@ -276,6 +286,7 @@ class AsyncEndpoint:
         self, request_id: str, *, local_blocks: Sequence[int], remote_blocks: Sequence[int]
     ) -> ReadGo | ReadDeclined:
         """``Endpoint.start_read`` now; the outcome comes from :meth:`wait_request`."""
+        self._check()
         decision = self.endpoint.start_read(
             self.now(), request_id, local_blocks=local_blocks, remote_blocks=remote_blocks
         )
@@ -284,8 +295,9 @@ class AsyncEndpoint:
 
     def finish(self, request_id: str) -> None:
         """``Reader.finish`` now (the request left the scheduler); its outcome is forgotten."""
+        self._check()
         self.reader.finish(self.now(), request_id)
-        self._requests.forget(request_id)
+        self._requests.forget(request_id, f"request {request_id!r}")
         self.wake()
 
     async def wait_request(self, request_id: str) -> ReadConfirmed | RequestFailed:
@@ -296,7 +308,10 @@ class AsyncEndpoint:
     # ---------------------------------------------------------------- events
 
     async def next_event(self) -> Happened:
-        """The next output (when no ``on_event`` was given); raises DriverClosed at the end."""
+        """The next output; raises DriverClosed at the end.
+
+        Only without ``on_event`` (with it, nothing is queued and this waits for the close).
+        """
         item = await self._queue.get()
         if item is None:
             self._queue.put_nowait(None)  # for the next caller
@@ -457,5 +472,6 @@ class AsyncEndpoint:
         self._enqueue(None)
 
     def _check(self) -> None:
+        # After close nothing carries out the cores' outputs: refuse new work loudly.
         if self._closed:
             raise DriverClosed("driver closed") from self.error

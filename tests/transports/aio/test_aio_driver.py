@@ -25,7 +25,16 @@ from typing import Any
 import pytest
 
 from kvproto.config import LeaseConfig
-from kvproto.events import Connect, FreeBlocks, ReadConfirmed, ReadGo, ReleaseReason
+from kvproto.errors import LocalProtocolError
+from kvproto.events import (
+    Connect,
+    FailReason,
+    FreeBlocks,
+    ReadConfirmed,
+    ReadGo,
+    ReleaseReason,
+    RequestFailed,
+)
 from kvproto.holder import Holder
 from kvproto.reader import Reader
 from kvproto.states import LeaseState
@@ -308,6 +317,33 @@ async def test_transport_without_wakeup_is_polled_at_the_interval() -> None:
     assert freed.reason is ReleaseReason.PEER_LOST
     assert 12.05 <= at <= 12.05 + 0.01 + 1e-9  # seen at the first poll after it
     assert w.p.stats.polls >= 1200 and w.p.stats.wakeups == 0
+    w.close()
+
+
+@pytest.mark.asyncio(loop_factories=["virtual"])
+async def test_connector_failure_fails_the_request_and_finish_ends_a_waiter() -> None:
+    w = World()
+
+    async def unreachable(connect: Connect) -> bytes:
+        await asyncio.sleep(0.5)  # the side channel tries for a while
+        raise ConnectionRefusedError("side channel: no answer")
+
+    d = AsyncEndpoint(
+        Endpoint(w.net.endpoint("D2"), reader=Reader(w.cfg, engine="D2", incarnation=3)),
+        connector=unreachable,
+    )
+    d.track("d-1", w.p.grant("p-1"))
+    failed = await d.wait_request("d-1")
+    assert failed == RequestFailed(request_id="d-1", reason=FailReason.CONNECT_FAILED)
+    assert d.stats.connect_failures == 1
+    assert asyncio.get_running_loop().time() == pytest.approx(0.5, abs=1e-9)
+    d.track("d-2", w.p.grant("p-2"))
+    waiter = asyncio.ensure_future(d.wait_request("d-2"))
+    await asyncio.sleep(0)
+    d.finish("d-2")  # the request left the scheduler before any outcome
+    with pytest.raises(LocalProtocolError, match="finished before its outcome"):
+        await waiter
+    d.close(close_transport=False)
     w.close()
 
 
