@@ -16,7 +16,6 @@ over UCX's TCP transport moves only while the holder polls too.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -25,40 +24,15 @@ import numpy as np
 
 from kvproto.tpmath import BlockLayout, descriptor_ids
 from kvproto.transport import ReadCompleted, ReadFailed, Received, TransportEvent
+from kvproto_transports.benchloop import host_layout, interleave, overhead_report, spin
 
 from ._binding import load_nixl
 from .transport import NixlTransport
 
 
-def _layout(mem: np.ndarray, regions: int, num_blocks: int, block_len: int) -> BlockLayout:
-    base = mem.ctypes.data
-    return BlockLayout(
-        region_addrs=tuple(base + r * num_blocks * block_len for r in range(regions)),
-        block_lens=(block_len,) * regions,
-        num_blocks=num_blocks,
-    )
-
-
 def _rows(layout: BlockLayout) -> np.ndarray:
     descs = np.array(layout.descriptors(), dtype=np.uint64)
     return np.column_stack([descs, np.zeros(len(descs), dtype=np.uint64)])
-
-
-def _summary(samples_s: list[float]) -> dict[str, float]:
-    us = sorted(s * 1e6 for s in samples_s)
-    return {
-        "median_us": statistics.median(us),
-        "p10_us": us[len(us) // 10],
-        "p90_us": us[(len(us) * 9) // 10],
-        "mean_us": statistics.fmean(us),
-    }
-
-
-def _spin(cond: Callable[[], bool], timeout_s: float) -> None:
-    deadline = time.perf_counter() + timeout_s
-    while not cond():
-        if time.perf_counter() > deadline:
-            raise TimeoutError("benchmark step did not finish")
 
 
 class _Raw:
@@ -80,8 +54,8 @@ class _Raw:
         self.r = api.agent_cls(
             "bench-raw-reader", api.config_cls(enable_prog_thread=progress_thread, backends=["UCX"])
         )
-        lh = _layout(mem_h, regions, num_blocks, block_len)
-        lr = _layout(mem_r, regions, num_blocks, block_len)
+        lh = host_layout(mem_h, regions, num_blocks, block_len)
+        lr = host_layout(mem_r, regions, num_blocks, block_len)
         for agent, lay in ((self.h, lh), (self.r, lr)):
             agent.register_memory(
                 [(a, block_len * num_blocks, 0, "") for a in lay.region_addrs], "DRAM"
@@ -107,14 +81,14 @@ class _Raw:
             r.get_new_notifs()  # the sender's progress
             return _has(h.get_new_notifs(), b"ping")
 
-        _spin(holder_has, self.timeout_s)
+        spin(holder_has, self.timeout_s, "raw ping")
         h.send_notif("bench-raw-reader", b"pong")
 
         def reader_has() -> bool:
             h.get_new_notifs()
             return _has(r.get_new_notifs(), b"pong")
 
-        _spin(reader_has, self.timeout_s)
+        spin(reader_has, self.timeout_s, "raw pong")
         return time.perf_counter() - t0
 
     def read(self, local_ids: np.ndarray, remote_ids: np.ndarray) -> float:
@@ -147,8 +121,8 @@ class _Kv:
         regions, num_blocks, block_len = shape
         self.h = NixlTransport(name_prefix="bench-h", progress_thread=progress_thread)
         self.r = NixlTransport(name_prefix="bench-r", progress_thread=progress_thread)
-        self.h.register_blocks(_layout(mem_h, regions, num_blocks, block_len))
-        self.r.register_blocks(_layout(mem_r, regions, num_blocks, block_len))
+        self.h.register_blocks(host_layout(mem_h, regions, num_blocks, block_len))
+        self.r.register_blocks(host_layout(mem_r, regions, num_blocks, block_len))
         self.hpeer = self.r.add_peer(self.h.metadata())
         self.rpeer = self.h.add_peer(self.r.metadata())
         self.timeout_s = timeout_s
@@ -156,15 +130,19 @@ class _Kv:
     def rtt(self) -> float:
         t0 = time.perf_counter()
         self.r.send(self.hpeer, b"ping")
-        _spin(lambda: _got(self.h, self.r, _payload(b"ping")), self.timeout_s)
+        spin(lambda: _got(self.h, self.r, _payload(b"ping")), self.timeout_s, "ping")
         self.h.send(self.rpeer, b"pong")
-        _spin(lambda: _got(self.r, self.h, _payload(b"pong")), self.timeout_s)
+        spin(lambda: _got(self.r, self.h, _payload(b"pong")), self.timeout_s, "pong")
         return time.perf_counter() - t0
 
     def read(self, local: list[int], remote: list[int]) -> float:
         t0 = time.perf_counter()
         self.r.read_blocks(self.hpeer, local_blocks=local, remote_blocks=remote, notify=b"done")
-        _spin(lambda: _got(self.r, self.h, lambda e: isinstance(e, ReadCompleted)), self.timeout_s)
+
+        def done() -> bool:
+            return _got(self.r, self.h, lambda e: isinstance(e, ReadCompleted))
+
+        spin(done, self.timeout_s, "read")
         return time.perf_counter() - t0
 
     def close(self) -> None:
@@ -202,36 +180,23 @@ def measure_overhead(
         "read_transport": lambda: kv.read(got, want),
     }
     try:
-        for step in steps.values():  # warm up: connections, first-use descriptor lists
-            for _ in range(5):
-                step()
-        samples: dict[str, list[float]] = {k: [] for k in steps}
-        for _ in range(iterations):  # interleaved, so noise hits both variants alike
-            for name, step in steps.items():
-                samples[name].append(step())
+        samples = interleave(steps, iterations)
         if bytes(mems[3][regions - 1, 0]) != bytes(mems[2][regions - 1, want[0]]):
             raise RuntimeError("the READ did not move the expected bytes")
     finally:
         kv.close()
         raw.close()
-    out: dict[str, Any] = {
-        "config": {
-            "iterations": iterations,
-            "blocks": blocks,
-            "regions": regions,
-            "block_len": block_len,
-            "read_bytes": blocks * regions * block_len,
-            "descriptors_per_read": blocks * regions,
-            "progress_thread": progress_thread,
-            "nixl_module": load_nixl().module,
-        },
+    config = {
+        "iterations": iterations,
+        "blocks": blocks,
+        "regions": regions,
+        "block_len": block_len,
+        "read_bytes": blocks * regions * block_len,
+        "descriptors_per_read": blocks * regions,
+        "progress_thread": progress_thread,
+        "nixl_module": load_nixl().module,
     }
-    out.update({name: _summary(values) for name, values in samples.items()})
-    out["notif_rtt_overhead_ratio"] = (
-        out["notif_rtt_transport"]["median_us"] / out["notif_rtt_raw"]["median_us"]
-    )
-    out["read_overhead_ratio"] = out["read_transport"]["median_us"] / out["read_raw"]["median_us"]
-    return out
+    return overhead_report(config, samples)
 
 
 def _payload(payload: bytes) -> Callable[[TransportEvent], bool]:

@@ -19,7 +19,6 @@ iteration so that machine noise hits both alike.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +27,7 @@ import numpy as np
 
 from kvproto.tpmath import BlockLayout
 from kvproto.transport import ReadCompleted, ReadFailed, Received, TransportEvent
+from kvproto_transports.benchloop import host_layout, interleave, overhead_report, spin
 
 from ._ucp import UCS_INPROGRESS, UCS_OK, Ucp, load_ucp
 from ._ucxx import load_ucxx
@@ -37,34 +37,6 @@ from .transport import UcxTransport
 
 POLL_PAUSE_S = 20e-6
 """Sleep between two polls of a transport while waiting (releases the GIL)."""
-
-
-def _layout(mem: np.ndarray, regions: int, num_blocks: int, block_len: int) -> BlockLayout:
-    base = mem.ctypes.data
-    return BlockLayout(
-        region_addrs=tuple(base + r * num_blocks * block_len for r in range(regions)),
-        block_lens=(block_len,) * regions,
-        num_blocks=num_blocks,
-    )
-
-
-def _summary(samples_s: list[float]) -> dict[str, float]:
-    us = sorted(s * 1e6 for s in samples_s)
-    return {
-        "median_us": statistics.median(us),
-        "p10_us": us[len(us) // 10],
-        "p90_us": us[(len(us) * 9) // 10],
-        "mean_us": statistics.fmean(us),
-    }
-
-
-def _spin(cond: Callable[[], bool], timeout_s: float, what: str, pause_s: float = 0.0) -> None:
-    deadline = time.perf_counter() + timeout_s
-    while not cond():
-        if time.perf_counter() > deadline:
-            raise TimeoutError(f"{what} took over {timeout_s} s")
-        if pause_s:
-            time.sleep(pause_s)
 
 
 class _Raw:
@@ -111,7 +83,7 @@ class _Raw:
             status = self.ucp.check(request)
             return status != UCS_INPROGRESS
 
-        _spin(done, self.timeout_s, "UCX request")
+        spin(done, self.timeout_s, "UCX request")
         self.ucp.free(request)
         if status != UCS_OK:
             raise RuntimeError(f"UCX request failed: {self.ucp.status_text(status)}")
@@ -134,11 +106,11 @@ class _Raw:
                 self._progress()
                 return bool(req.completed)
 
-            _spin(received, self.timeout_s, "receive")
+            spin(received, self.timeout_s, "receive")
             got.append(bytes(buf))
             return True
 
-        _spin(arrived, self.timeout_s, "notification")
+        spin(arrived, self.timeout_s, "notification")
         return got[0]
 
     def rtt(self) -> float:
@@ -191,7 +163,7 @@ class _Kv:
 
         # Pause between polls, as a binding's tick would: a busy-polling caller
         # holds the GIL the engine threads need (2-5x slower figures measured).
-        _spin(got, self.timeout_s, what, pause_s=POLL_PAUSE_S)
+        spin(got, self.timeout_s, what, pause_s=POLL_PAUSE_S)
 
     def rtt(self) -> float:
         t0 = time.perf_counter()
@@ -235,7 +207,7 @@ def measure_overhead(
         mems[0][r] = np.arange(num_blocks * block_len, dtype=np.uint8).reshape(
             num_blocks, block_len) + r
         mems[2][r] = mems[0][r]
-    layouts = [_layout(m, regions, num_blocks, block_len) for m in mems]
+    layouts = [host_layout(m, regions, num_blocks, block_len) for m in mems]
     want = list(range(num_blocks - blocks, num_blocks))  # a partial-hit tail
     got = list(range(blocks))
     raw = _Raw(layouts[0], layouts[1], timeout_s)
@@ -247,36 +219,23 @@ def measure_overhead(
         "read_transport": lambda: kv.read(got, want),
     }
     try:
-        for step in steps.values():  # warm up: connections, first-use protocols
-            for _ in range(5):
-                step()
-        samples: dict[str, list[float]] = {k: [] for k in steps}
-        for _ in range(iterations):
-            for name, step in steps.items():
-                samples[name].append(step())
+        samples = interleave(steps, iterations)
         for holder, reader in ((0, 1), (2, 3)):
             if not np.array_equal(mems[reader][:, :blocks], mems[holder][:, num_blocks - blocks:]):
                 raise RuntimeError("the read did not move the expected bytes")
     finally:
         kv.close()
         raw.close()
-    out: dict[str, Any] = {
-        "config": {
-            "iterations": iterations,
-            "blocks": blocks,
-            "regions": regions,
-            "block_len": block_len,
-            "read_bytes": blocks * regions * block_len,
-            "gets_per_read": regions,  # consecutive blocks merge into one get per region
-            "ucx_tls": DEFAULT_UCX_OPTIONS["TLS"],
-        },
+    config = {
+        "iterations": iterations,
+        "blocks": blocks,
+        "regions": regions,
+        "block_len": block_len,
+        "read_bytes": blocks * regions * block_len,
+        "gets_per_read": regions,  # consecutive blocks merge into one get per region
+        "ucx_tls": DEFAULT_UCX_OPTIONS["TLS"],
     }
-    out.update({name: _summary(values) for name, values in samples.items()})
-    out["notif_rtt_overhead_ratio"] = (
-        out["notif_rtt_transport"]["median_us"] / out["notif_rtt_raw"]["median_us"]
-    )
-    out["read_overhead_ratio"] = out["read_transport"]["median_us"] / out["read_raw"]["median_us"]
-    return out
+    return overhead_report(config, samples)
 
 
 if __name__ == "__main__":  # python -m kvproto_transports.ucx.bench
