@@ -6,7 +6,7 @@ Pure (no vLLM import), so it is unit-testable and cheap. Lease keys go to
 keys in :data:`ADAPTER_KEYS`. Two stock NixlConnector keys that only tune
 stock internals are accepted and ignored (:data:`IGNORED_STOCK_KEYS`), so a
 config written for the stock connector loads; a stock key whose behaviour is
-not implemented here (``bidirectional_kv_xfer: true``) is refused loudly
+not implemented here (``enforce_handshake_compat: false``) is refused loudly
 rather than silently doing something else. Any other key is an error.
 
 ``kv_transport`` (:data:`KV_TRANSPORTS`) picks the transport the worker runs
@@ -59,6 +59,11 @@ class AdapterConfig:
     """Base port of the kvproto side channel (rank r: + dp_index * tp_size + r). Default:
     VLLM_NIXL_SIDE_CHANNEL_PORT, like stock; required with ``accept_legacy`` on a
     producer, whose stock port then serves stock-format handshakes."""
+    bidirectional_kv_xfer: bool = False
+    """Stock key: turn 2 of a conversation reads the decoder's blocks back. D keeps a
+    finished request's blocks under a lease of ``decoder_kv_blocks_ttl`` and returns
+    its ticket; P reads them for the turn-2 prompt. Both engines then run a holder and
+    a reader (spec/vllm-adapter.md, bidirectional turn 2)."""
 
     @property
     def side_channel_secret(self) -> bytes | None:
@@ -73,12 +78,6 @@ LEASE_KEYS = frozenset(f.name for f in fields(LeaseConfig))
 def parse_extra_config(extra: Mapping[str, Any] | None) -> AdapterConfig:
     """Validate ``kv_connector_extra_config``; raises :class:`ConfigError` with the key."""
     values = dict(extra or {})
-    if values.get("bidirectional_kv_xfer"):
-        raise ConfigError(
-            "bidirectional_kv_xfer is not implemented by KvprotoConnector "
-            "(see spec/vllm-adapter.md)"
-        )
-    values.pop("bidirectional_kv_xfer", None)
     if values.pop("enforce_handshake_compat", True) is not True:
         raise ConfigError(
             "enforce_handshake_compat=false is not supported: a holder whose compat hash "
@@ -107,6 +106,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> AdapterConfig:
             _non_negative("kv_recompute_threshold", own.get("kv_recompute_threshold", 0))
         ),
         kvproto_side_channel_port=_port(own.get("kvproto_side_channel_port")),
+        bidirectional_kv_xfer=_bidirectional(own.get("bidirectional_kv_xfer", False), lease),
     )
 
 
@@ -169,6 +169,16 @@ def _port(value: Any) -> int | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536:
         raise ConfigError(f"kvproto_side_channel_port must be a TCP port, got {value!r}")
+    return value
+
+
+def _bidirectional(value: Any, lease: LeaseConfig) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"bidirectional_kv_xfer must be true or false, got {value!r}")
+    if value and lease.accept_legacy:
+        # A stock engine's turn-2 read carries no ticket and gets no verdict; the mix
+        # is untested, so it is refused rather than half-working.
+        raise ConfigError("bidirectional_kv_xfer cannot be combined with accept_legacy")
     return value
 
 

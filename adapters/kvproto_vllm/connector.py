@@ -83,6 +83,10 @@ class KvprotoConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: WorkerSide | None = None
         self._stats: DeltaTracker | None = None
         producer, consumer = transfer.is_kv_producer, transfer.is_kv_consumer
+        if self.adapter_config.bidirectional_kv_xfer:
+            # Turn 2 reverses the roles: D holds the conversation's blocks and P reads
+            # them, so every engine runs both halves (and serves its side channel).
+            producer = consumer = True
         if role == KVConnectorRole.SCHEDULER:
             from .scheduler import SchedulerSide
 

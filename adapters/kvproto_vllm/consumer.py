@@ -12,6 +12,14 @@
 * ``request_finished`` (finished or aborted) and ``update_connector_output``
   (``finished_recving``): tell the worker to stop tracking; a request aborted
   before its read started aborts the lease, so the holder frees at once.
+
+Bidirectional turn 2 (P side): a request with ``do_remote_decode`` that also
+carries a decoder's ``remote_block_ids``, address and ticket is the next turn
+of a conversation whose KV the decoder kept. It is tracked the same way (the
+reader claims and heartbeats D's lease from enqueue), loads
+``min(remote_num_tokens, prompt) - local hits`` tokens, and plans its read
+once (stock's ``_remote_blocks_processed`` flag); ``do_remote_decode`` stays
+set, so the finished prefill is granted to a decoder as usual.
 """
 
 from __future__ import annotations
@@ -41,19 +49,25 @@ abort leaves only once the Welcome arrives. Without more steps the holder
 would keep the blocks until the lease lapses (vLLM #41269's symptom)."""
 
 
+TURN2_DONE_KEY = "_remote_blocks_processed"
+"""Stock's kv_transfer_params flag: the turn-2 read of this request was planned."""
+
+
 @dataclass(slots=True)
 class _Tracked:
     ticket: LeaseTicket
     remote_block_ids: list[int]
     remote_num_tokens: int | None
+    turn2: bool = False
     planned: bool = False
 
 
 class Consumer:
     """Request tracking and read planning for one decode engine."""
 
-    def __init__(self, *, recompute_threshold: int = 0) -> None:
+    def __init__(self, *, recompute_threshold: int = 0, bidirectional: bool = False) -> None:
         self._threshold = recompute_threshold
+        self._bidirectional = bidirectional
         self._tracked: dict[str, _Tracked] = {}
         self._tracks: list[Track] = []
         self._recvs: list[Recv] = []
@@ -66,7 +80,10 @@ class Consumer:
 
     def on_new_request(self, request: Request) -> None:
         params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill"):
+        if not params:
+            return
+        turn2 = self._is_turn2(params)
+        if not turn2 and not params.get("do_remote_prefill"):
             return
         rid = request.request_id
         if rid in self._tracked:
@@ -74,23 +91,46 @@ class Consumer:
         parsed = _parse(params)
         if isinstance(parsed, str):
             self.untracked += 1
-            log.warning("request %s is prefilled locally: %s", rid, parsed)
+            what = "turn-2 prefix" if turn2 else "request"
+            log.warning("%s of request %s is prefilled locally: %s", what, rid, parsed)
             params["do_remote_prefill"] = False
+            if turn2:
+                params[TURN2_DONE_KEY] = True
             return
         ticket, host, port, remote_blocks, remote_tokens = parsed
-        self._tracked[rid] = _Tracked(ticket, remote_blocks, remote_tokens)
+        self._tracked[rid] = _Tracked(ticket, remote_blocks, remote_tokens, turn2=turn2)
         self._tracks.append(Track(request_id=rid, ticket=ticket, host=host, port=port))
+
+    def _is_turn2(self, params: dict[str, Any]) -> bool:
+        """A turn-2 prefill that can read the decoder's kept blocks (stock's test)."""
+        return (
+            self._bidirectional
+            and bool(params.get("do_remote_decode"))
+            and bool(params.get("remote_block_ids"))
+            and not params.get(TURN2_DONE_KEY)
+        )
+
+    def _wanted(self, request: Request) -> _Tracked | None:
+        """The tracked entry of a request whose read is not planned yet."""
+        tracked = self._tracked.get(request.request_id)
+        params = request.kv_transfer_params
+        if tracked is None or not params:
+            return None
+        if tracked.turn2:
+            return None if params.get(TURN2_DONE_KEY) else tracked
+        return tracked if params.get("do_remote_prefill") else None
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
-        tracked = self._tracked.get(request.request_id)
-        params = request.kv_transfer_params
-        if tracked is None or not params or not params.get("do_remote_prefill"):
+        tracked = self._wanted(request)
+        if tracked is None:
             return 0, False
-        available = len(request.prompt_token_ids or ())
+        available = int(request.num_prompt_tokens)
         if tracked.remote_num_tokens is not None:
             available = min(available, tracked.remote_num_tokens)
+        elif tracked.turn2:
+            available = 0  # stock: a turn-2 holder that names no token count gives none
         count = available - num_computed_tokens
         if count <= 0 or count < self._threshold:
             return 0, False  # nothing worth reading: update_state_after_alloc frees P at once
@@ -99,9 +139,9 @@ class Consumer:
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        tracked = self._tracked.get(request.request_id)
+        tracked = self._wanted(request)
         params = request.kv_transfer_params
-        if tracked is None or not params or not params.get("do_remote_prefill"):
+        if tracked is None or params is None:
             return
         local: list[int] = []
         if num_external_tokens > 0:
@@ -124,7 +164,10 @@ class Consumer:
                 awaiting=num_external_tokens > 0,
             )
         )
-        params["do_remote_prefill"] = False  # one transfer per request, as stock
+        # One transfer per request, as stock (a turn-2 request keeps do_remote_decode).
+        params["do_remote_prefill"] = False
+        if tracked.turn2:
+            params[TURN2_DONE_KEY] = True
 
     def request_finished(self, request: Request) -> None:
         tracked = self._tracked.pop(request.request_id, None)

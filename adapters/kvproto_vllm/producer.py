@@ -10,6 +10,15 @@ workers in the next step's metadata.
 
 The incarnation is drawn here, once per engine start, and sent to the
 workers with every step, so all TP ranks' Holders agree with the tickets.
+
+Bidirectional turn 2 (``bidirectional_kv_xfer``) uses the same minting on the
+decode engine: :meth:`Producer.request_finished` with ``turn2=True`` keeps a
+finished decode request's blocks (prompt and output) for
+``decoder_kv_blocks_ttl`` and returns stock's turn-2 fields
+(``do_remote_decode``, D's block ids and address, ``remote_num_tokens``) plus
+the ticket, which the client sends back with its turn-2 prompt to a prefill
+engine. Nobody heartbeats that lease until a prefill engine tracks the turn-2
+request, so until then the fixed TTL applies, as in stock.
 """
 
 from __future__ import annotations
@@ -66,11 +75,16 @@ class Producer:
         self._grants: list[Grant] = []
         self.granted = 0
         """Leases granted since start (scheduler-side stat)."""
+        self.granted_turn2 = 0
+        """Of those, turn-2 leases on decoded blocks (bidirectional)."""
 
     def request_finished(
-        self, request: Request, block_ids: Sequence[Sequence[int]]
+        self, request: Request, block_ids: Sequence[Sequence[int]], *, turn2: bool = False
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Grant and delay the free, or (False, None) when nothing will be read."""
+        """Grant and delay the free, or (False, None) when nothing will be read.
+
+        ``turn2``: the request was decoded here and its blocks are kept for the
+        conversation's next turn (D side of bidirectional transfer)."""
         from vllm.v1.request import RequestStatus
 
         if request.status not in (
@@ -89,14 +103,15 @@ class Producer:
         blocks = [int(b) for b in block_ids[0]]
         if not blocks:
             return False, None
-        ticket = self._mint.mint(
-            time.monotonic(), request_id=request.request_id, ttl=self.lease.kv_lease_duration
-        )
+        ttl = self.lease.decoder_kv_blocks_ttl if turn2 else self.lease.kv_lease_duration
+        ticket = self._mint.mint(time.monotonic(), request_id=request.request_id, ttl=ttl)
         self._grants.append(Grant(request_id=request.request_id, ticket=ticket))
         self.granted += 1
+        if turn2:
+            self.granted_turn2 += 1
         params: dict[str, Any] = {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
+            "do_remote_prefill": not turn2,
+            "do_remote_decode": turn2,
             "remote_block_ids": [blocks],
             "remote_engine_id": self.engine_id,
             "remote_request_id": request.request_id,
@@ -109,7 +124,9 @@ class Producer:
             "dcp_size": self.dcp_size,
             "pp_size": self.pp_size,
             "remote_num_tokens": int(request.num_computed_tokens),
-            "remote_blocks_expiry_time": None,
+            # Stock's absolute turn-2 deadline (this host's monotonic clock), for proxies
+            # that look at it; kvproto readers judge the ticket instead.
+            "remote_blocks_expiry_time": ticket.deadline if turn2 else None,
             "transfer_mode": "pull",
             PARAMS_KEY: ticket.to_params(),
         }

@@ -60,7 +60,10 @@ class SchedulerSide:
                 pp_size=int(parallel.pipeline_parallel_size),
             )
         if consumer:
-            self.consumer = Consumer(recompute_threshold=cfg.kv_recompute_threshold)
+            self.consumer = Consumer(
+                recompute_threshold=cfg.kv_recompute_threshold,
+                bidirectional=cfg.bidirectional_kv_xfer,
+            )
             transfer = vllm_config.kv_transfer_config
             policy = getattr(transfer, "kv_load_failure_policy", "fail")
             if policy != "recompute":
@@ -111,6 +114,10 @@ class SchedulerSide:
         self, request: Request, block_ids: Sequence[Sequence[int]]
     ) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params
+        if self.consumer is not None:
+            # Stop tracking (a turn-2 prefill on P is tracked too): an unread lease is
+            # aborted, so its holder frees at once.
+            self.consumer.request_finished(request)
         if params and params.get("do_remote_decode"):
             if self.producer is None:
                 log.warning(
@@ -119,8 +126,10 @@ class SchedulerSide:
                 )
                 return False, None
             return self.producer.request_finished(request, block_ids)
-        if self.consumer is not None:
-            self.consumer.request_finished(request)
+        if params and self.cfg.bidirectional_kv_xfer and self.producer is not None:
+            # Stock's bidirectional D node: keep a decoded request's blocks (prompt and
+            # output) for the conversation's next turn, under a decoder_kv_blocks_ttl lease.
+            return self.producer.request_finished(request, block_ids, turn2=True)
         return False, None
 
     def set_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:

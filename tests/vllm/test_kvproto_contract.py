@@ -182,7 +182,8 @@ def test_extra_config() -> None:
     bad_configs: tuple[dict[str, Any], ...] = (
         {"kv_lease_duration": 3},  # heartbeat interval 0
         {"no_such_key": 1},
-        {"bidirectional_kv_xfer": True},
+        {"bidirectional_kv_xfer": "yes"},
+        {"bidirectional_kv_xfer": True, "accept_legacy": True},
         {"probe_interval_s": -1},
         {"backends": []},
         {"enforce_handshake_compat": False},

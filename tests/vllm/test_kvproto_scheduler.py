@@ -42,7 +42,8 @@ PROMPT = list(range(1, 105))  # 104 tokens: 3 full blocks + 1 partial
 NUM_BLOCKS = 64
 
 
-def make_scheduler(model: Path, role: str, *, max_num_seqs: int = 8) -> Any:
+def make_scheduler(model: Path, role: str, *, max_num_seqs: int = 8, **extra: Any) -> Any:
+    """A real Scheduler; ``extra`` goes to kv_connector_extra_config."""
     import torch
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import EngineArgs
@@ -63,7 +64,7 @@ def make_scheduler(model: Path, role: str, *, max_num_seqs: int = 8) -> Any:
         max_num_seqs=max_num_seqs,
         enforce_eager=True,
         enable_prefix_caching=False,
-        kv_transfer_config=KVTransferConfig(**kvproto_config(role)),
+        kv_transfer_config=KVTransferConfig(**kvproto_config(role, **extra)),
     )
     cfg = args.create_engine_config()
     cfg.cache_config.num_gpu_blocks = NUM_BLOCKS
@@ -84,13 +85,15 @@ def make_scheduler(model: Path, role: str, *, max_num_seqs: int = 8) -> Any:
     )
 
 
-def request(rid: str, *, max_tokens: int, params: dict[str, Any] | None) -> Any:
+def request(
+    rid: str, *, max_tokens: int, params: dict[str, Any] | None, prompt: list[int] | None = None
+) -> Any:
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
     extra = {"kv_transfer_params": params} if params is not None else None
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
-    return Request(rid, list(PROMPT), sp, None)
+    return Request(rid, list(PROMPT if prompt is None else prompt), sp, None)
 
 
 def worker_output(
@@ -292,3 +295,188 @@ def test_consumer_bad_ticket_is_not_tracked(
     assert meta.tracks == [] and meta.recvs == []
     assert out.num_scheduled_tokens.get("d5") == len(PROMPT)
     assert sched.connector.debug_state()["untracked"] == 1
+
+
+# --------------------------------------------------------------- bidirectional turn 2
+
+BIDIR = {"bidirectional_kv_xfer": True}
+TURN1_OUT = 4  # tokens D decodes in turn 1 (the fake worker samples token 7)
+
+
+def _decoder_turn2_flow(model: Path, prefill_params: dict[str, Any]) -> dict[str, Any]:
+    """D (bidirectional): read turn 1, decode, keep the blocks for turn 2 under a TTL lease."""
+    from vllm.v1.request import RequestStatus
+
+    sched = make_scheduler(model, "kv_consumer", **BIDIR)
+    conn = sched.connector
+    free0 = free_blocks(sched)
+    req = request("d1", max_tokens=TURN1_OUT, params=copy.deepcopy(prefill_params))
+    sched.add_request(req)
+    meta, _, _ = step(sched)
+    assert [t.request_id for t in meta.tracks] == ["d1"]
+    assert [r.request_id for r in meta.recvs] == ["d1"]
+    step(sched, recving={"d1"})
+    outs: dict[str, Any] = {}
+    finishes: list[str] = []
+    for _ in range(TURN1_OUT + 2):
+        meta, _, outs = step(sched)
+        assert meta.grants == []  # nothing granted before the request finishes
+        finishes += meta.finishes
+        if "d1" in outs and outs["d1"].finished:
+            break
+    assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    params = outs["d1"].kv_transfer_params
+    assert params is not None
+    # Stock's turn-2 fields: D's blocks and address, for P to read with the next turn.
+    assert params["do_remote_decode"] is True and params["do_remote_prefill"] is False
+    assert params["remote_engine_id"] == conn.engine_id
+    assert params["remote_request_id"] == "d1"
+    assert params["remote_num_tokens"] == req.num_computed_tokens == len(PROMPT) + TURN1_OUT - 1
+    (blocks,) = params["remote_block_ids"]
+    assert len(blocks) == 4  # 107 tokens in 32-token blocks
+    ticket = LeaseTicket.from_params(params[PARAMS_KEY])
+    assert ticket.holder_engine == conn.engine_id and ticket.request_id == "d1"
+    assert ticket.expires_in == 480  # decoder_kv_blocks_ttl, not kv_lease_duration
+    assert params["remote_blocks_expiry_time"] == ticket.deadline
+    # The blocks stay held for P until the worker's holder frees them.
+    assert "d1" in sched.requests and free_blocks(sched) < free0
+    meta, _, _ = step(sched)
+    assert meta.incarnation == ticket.holder_incarnation
+    assert [(g.request_id, g.ticket) for g in meta.grants] == [("d1", ticket)]
+    assert finishes == ["d1"]  # the turn-1 read's tracking ended at finished_recving
+    step(sched, sending={"d1"})  # P's done (or the TTL lapse) came back as FreeBlocks
+    assert "d1" not in sched.requests and free_blocks(sched) == free0
+    assert conn.debug_state()["granted"] == 1
+    return dict(params)
+
+
+@pytest.fixture(scope="module")
+def turn2_params(tiny_model_dir: Path, prefill_params: dict[str, Any]) -> dict[str, Any]:
+    return _decoder_turn2_flow(tiny_model_dir, prefill_params)
+
+
+def turn2_prompt() -> list[int]:
+    """Turn 1's prompt, its output and a few new tokens."""
+    return [*PROMPT, *([7] * TURN1_OUT), 21, 22, 23]
+
+
+def test_decoder_keeps_blocks_for_turn2(turn2_params: dict[str, Any]) -> None:
+    # The flow's assertions run in the fixture (shared with the prefill-side tests).
+    assert turn2_params["remote_num_tokens"] == 107
+
+
+def test_decoder_without_bidirectional_frees_at_finish(
+    tiny_model_dir: Path, prefill_params: dict[str, Any]
+) -> None:
+    sched = make_scheduler(tiny_model_dir, "kv_consumer")
+    free0 = free_blocks(sched)
+    sched.add_request(request("d6", max_tokens=2, params=copy.deepcopy(prefill_params)))
+    step(sched)
+    step(sched, recving={"d6"})
+    outs: dict[str, Any] = {}
+    while "d6" not in outs or not outs["d6"].finished:
+        _, _, outs = step(sched)
+    assert outs["d6"].kv_transfer_params is None
+    assert "d6" not in sched.requests and free_blocks(sched) == free0
+
+
+def test_prefill_reads_turn2_prefix(tiny_model_dir: Path, turn2_params: dict[str, Any]) -> None:
+    from vllm.v1.request import RequestStatus
+
+    sched = make_scheduler(tiny_model_dir, "kv_producer", **BIDIR)
+    conn = sched.connector
+    prompt = turn2_prompt()
+    remote_tokens = turn2_params["remote_num_tokens"]
+    req = request("t2", max_tokens=1, params=copy.deepcopy(turn2_params), prompt=prompt)
+    sched.add_request(req)
+    meta, out, _ = step(sched)
+    # Tracked at enqueue (P's reader claims and heartbeats D's lease) and read planned.
+    (track,) = meta.tracks
+    assert track.request_id == "t2"
+    assert track.ticket == LeaseTicket.from_params(turn2_params[PARAMS_KEY])
+    assert (track.host, track.port) == (turn2_params["remote_host"], turn2_params["remote_port"])
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert req.num_computed_tokens == remote_tokens  # external = min(remote, prompt) - 0
+    (recv,) = meta.recvs
+    assert recv.awaiting and len(recv.local_block_ids) == 4
+    assert recv.remote_block_ids == turn2_params["remote_block_ids"][0]
+    assert req.kv_transfer_params["_remote_blocks_processed"] is True
+    assert req.kv_transfer_params["do_remote_decode"] is True  # still a prefill for D
+    meta, _, _ = step(sched)
+    assert meta.recvs == []  # planned once
+    # Confirmed: P computes only the new tokens, then grants D a turn-1-style lease.
+    step(sched, recving={"t2"})
+    meta, out, outs = step(sched)
+    assert meta.finishes == ["t2"]
+    assert out.num_scheduled_tokens.get("t2") == len(prompt) - remote_tokens
+    params = outs["t2"].kv_transfer_params
+    assert params is not None and params["do_remote_prefill"] is True
+    assert params["do_remote_decode"] is False
+    assert params["remote_num_tokens"] == len(prompt)
+    ticket = LeaseTicket.from_params(params[PARAMS_KEY])
+    assert ticket.expires_in == 30 and ticket.holder_engine == conn.engine_id
+    meta, _, _ = step(sched)
+    assert [g.request_id for g in meta.grants] == ["t2"]
+    assert conn.debug_state()["tracked"] == 0
+
+
+def test_prefill_turn2_failed_read_recomputes(
+    tiny_model_dir: Path, turn2_params: dict[str, Any]
+) -> None:
+    sched = make_scheduler(tiny_model_dir, "kv_producer", **BIDIR)
+    prompt = turn2_prompt()
+    sched.add_request(
+        request("t3", max_tokens=1, params=copy.deepcopy(turn2_params), prompt=prompt)
+    )
+    meta, _, _ = step(sched)
+    assert [r.request_id for r in meta.recvs] == ["t3"]
+    # The reader's verdict for a lapsed/declined/fenced turn-2 read.
+    step(sched, recving={"t3"}, failed={"t3"})
+    meta, out, outs = step(sched)
+    assert out.num_scheduled_tokens.get("t3") == len(prompt)  # recomputed from token 0
+    assert meta.recvs == [] and meta.finishes == ["t3"]  # never read again
+    assert outs["t3"].kv_transfer_params["do_remote_prefill"] is True  # D still gets a lease
+
+
+def test_prefill_turn2_abort_and_threshold(
+    tiny_model_dir: Path, turn2_params: dict[str, Any]
+) -> None:
+    from vllm.v1.request import RequestStatus
+
+    sched = make_scheduler(tiny_model_dir, "kv_producer", max_num_seqs=1, **BIDIR)
+    prompt = turn2_prompt()
+    # Aborted while queued: tracking stops, the reader aborts D's lease (D frees at once).
+    sched.add_request(request("busy", max_tokens=50, params=None))
+    sched.add_request(
+        request("t4", max_tokens=1, params=copy.deepcopy(turn2_params), prompt=prompt)
+    )
+    meta, _, _ = step(sched)
+    assert [t.request_id for t in meta.tracks] == ["t4"] and meta.recvs == []
+    sched.finish_requests("t4", RequestStatus.FINISHED_ABORTED)
+    meta, _, _ = step(sched)
+    assert meta.finishes == ["t4"] and "t4" not in sched.requests
+    sched.finish_requests("busy", RequestStatus.FINISHED_ABORTED)
+    step(sched)
+
+    # Below kv_recompute_threshold: nothing is loaded, D is told at once (notify-only).
+    sched = make_scheduler(tiny_model_dir, "kv_producer", kv_recompute_threshold=1000, **BIDIR)
+    sched.add_request(
+        request("t5", max_tokens=1, params=copy.deepcopy(turn2_params), prompt=prompt)
+    )
+    meta, out, _ = step(sched)
+    (recv,) = meta.recvs
+    assert recv.local_block_ids == [] and not recv.awaiting
+    assert out.num_scheduled_tokens.get("t5") == len(prompt)
+
+
+def test_turn2_params_ignored_without_bidirectional(
+    tiny_model_dir: Path, turn2_params: dict[str, Any]
+) -> None:
+    sched = make_scheduler(tiny_model_dir, "kv_producer")
+    prompt = turn2_prompt()
+    sched.add_request(
+        request("t6", max_tokens=1, params=copy.deepcopy(turn2_params), prompt=prompt)
+    )
+    meta, out, _ = step(sched)
+    assert meta.tracks == [] and meta.recvs == []
+    assert out.num_scheduled_tokens.get("t6") == len(prompt)
