@@ -6,6 +6,9 @@ fails its requests (recompute) with a clear log line instead of reading blocks
 it cannot interpret. Like stock, the model *path string* is a factor, so P and
 D must load the model from the same path. Unlike stock, the block size is a
 factor too: kvproto exchanges block ids one-to-one and does not remap sizes.
+So is the transport (``kv_transport``): a UCX reader cannot use a NIXL
+holder's metadata, so such a pair is refused at the handshake (recompute), and
+:func:`other_transport_hashes` lets the reader name that cause.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvproto.config import ConfigError
 
-from .config import AdapterConfig
+from .config import KV_TRANSPORTS, AdapterConfig
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -25,7 +28,7 @@ ADAPTER_PROTOCOL = 1
 """Bumped when the adapter's kv_transfer_params or side-channel use changes."""
 
 
-def compat_factors(vllm_config: VllmConfig) -> dict[str, Any]:
+def compat_factors(vllm_config: VllmConfig, *, kv_transport: str) -> dict[str, Any]:
     """The facts two engines must share for one to read the other's blocks."""
     from vllm import __version__ as vllm_version
 
@@ -41,6 +44,7 @@ def compat_factors(vllm_config: VllmConfig) -> dict[str, Any]:
         "num_hidden_layers": model.get_total_num_hidden_layers(),
         "cache_dtype": str(cache.cache_dtype),
         "block_size": cache.block_size,
+        "kv_transport": kv_transport,
     }
 
 
@@ -48,6 +52,17 @@ def compat_hash(factors: dict[str, Any]) -> bytes:
     """A 16-byte digest of the factors (stable across processes and hosts)."""
     text = json.dumps(factors, sort_keys=True, default=str)
     return hashlib.blake2b(text.encode(), digest_size=16).digest()
+
+
+def other_transport_hashes(factors: dict[str, Any]) -> dict[bytes, str]:
+    """compat hash -> ``kv_transport`` value, for every transport but ``factors``' own:
+    a holder whose hash is one of these differs from us only by its transport."""
+    own = factors["kv_transport"]
+    return {
+        compat_hash({**factors, "kv_transport": kind}): kind
+        for kind in KV_TRANSPORTS
+        if kind != own
+    }
 
 
 def side_channel_address(vllm_config: VllmConfig, cfg: AdapterConfig) -> tuple[str, int]:

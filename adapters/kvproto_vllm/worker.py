@@ -1,19 +1,21 @@
-"""The worker-side connector: one NIXL transport, one binding Endpoint, the lease cores.
+"""The worker-side connector: one transport, one binding Endpoint, the lease cores.
 
 Lifecycle (vLLM calls, all on the worker's execution thread, never concurrently):
 
 * ``register_kv_caches`` -- the KV tensors become one
-  :class:`~kvproto.tpmath.BlockLayout` registered with a
-  :class:`~kvproto_transports.nixl.NixlTransport` (no progress thread: it
-  would spin a core per agent; the engine polls every step instead, see
-  spec/nixl-transport.md section 1). A producer opens its side-channel server
-  here (serving this rank's metadata and taking readers' introductions); a
-  consumer creates its Reader and handshake client.
+  :class:`~kvproto.tpmath.BlockLayout` registered with the transport that
+  ``kv_transport`` names (:mod:`.transport_choice`: NIXL without a progress
+  thread -- it would spin a core per agent; the engine polls every step
+  instead, see spec/nixl-transport.md section 1 -- or UCX, whose engine thread
+  sleeps when idle). Past this point the worker only uses the Transport
+  protocol. A producer opens its side-channel server here (serving this
+  rank's metadata and taking readers' introductions); a consumer creates its
+  Reader and handshake client.
 * every step: ``start_load_kv`` applies the scheduler's orders and pumps;
   ``get_transfer_results`` pumps again and reports. A pump = add introduced
-  readers, apply finished handshakes, :meth:`Endpoint.step` (poll NIXL, feed
-  the cores, run their timers, send their frames), issue reads that became
-  possible.
+  readers, apply finished handshakes, :meth:`Endpoint.step` (poll the
+  transport, feed the cores, run their timers, send their frames), issue
+  reads that became possible.
 
 Bad peer input never raises out of a step: the cores drop and count it, the
 binding absorbs unreachable peers, and this module catches what is left
@@ -26,14 +28,21 @@ import logging
 import secrets
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from kvproto.reader import Reader
-from kvproto.transport import TransportError
+from kvproto.transport import Transport, TransportError
 from kvproto_transports.binding import Endpoint
 
-from .compat import compat_factors, compat_hash, side_channel_address, transfer_tp_size
+from .compat import (
+    compat_factors,
+    compat_hash,
+    other_transport_hashes,
+    side_channel_address,
+    transfer_tp_size,
+)
 from .config import AdapterConfig
 from .holder_side import HolderSide
 from .metadata import KvprotoHandshakeMetadata, KvprotoMetadata
@@ -43,8 +52,9 @@ if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
 
-    from kvproto_transports.nixl import NixlTransport
     from kvproto_transports.sidechannel import SideChannelServer
+
+    from .transport_choice import TransportAwareClient
 
 log = logging.getLogger("vllm.kvproto_connector.worker")
 
@@ -76,11 +86,15 @@ class WorkerSide:
         self.rank, self.tp_size = (
             tp if tp is not None else (_tp_rank(), transfer_tp_size(vllm_config))
         )
-        self.compat = compat_hash(compat_factors(vllm_config))
+        factors = compat_factors(vllm_config, kv_transport=cfg.kv_transport)
+        self.compat = compat_hash(factors)
+        self._other_transport_hashes = other_transport_hashes(factors)
         self.host, self.base_port = side_channel_address(vllm_config, cfg)
         self.stock_payload: bytes | None = None
         """Interop mode: what the scheduler's stock-format listener serves for this rank."""
-        self.transport: NixlTransport | None = None
+        self.transport: Transport | None = None
+        self._enter_thread: Callable[[], None] = _nothing
+        """The chosen transport's per-call thread hook (NIXL's owner-thread rule)."""
         self.server: SideChannelServer | None = None
         self.endpoint: Endpoint | None = None
         self.holder_side: HolderSide | None = None
@@ -91,6 +105,7 @@ class WorkerSide:
         self.intro_errors = 0
         """Introductions whose metadata the transport refused."""
         self._kv_tensors: list[torch.Tensor] = []
+        self._client: TransportAwareClient | None = None
         self._closed = False
         self._last_pump: float | None = None
         self._max_gap = 0.0
@@ -101,32 +116,34 @@ class WorkerSide:
     # ------------------------------------------------------------ setup
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from kvproto_transports.nixl import NixlTransport, layout_from_tensors
-        from kvproto_transports.sidechannel import HandshakeClient, SideChannelServer
+        # layout.py imports neither NIXL nor torch: it serves every transport.
+        from kvproto_transports.nixl.layout import layout_from_tensors
+        from kvproto_transports.sidechannel import SideChannelServer
+
+        from .transport_choice import TransportAwareClient, build_transport
 
         names, tensors = _unique_tensors(kv_caches)
         split = _is_split_kv(tensors[0], self.num_blocks)
         layout = layout_from_tensors(tensors, split_k_and_v=split)
-        # NIXL keeps raw addresses: the tensors must outlive the registration.
+        # Transports keep raw addresses: the tensors must outlive the registration.
         self._kv_tensors = tensors
-        transport = NixlTransport(
-            name_prefix=f"kvproto-{self.engine_id[:12]}-r{self.rank}",
-            backends=self.cfg.backends,
-            progress_thread=False,
-            auto_probe_interval_s=self.cfg.probe_interval_s,
+        chosen = build_transport(
+            self.cfg, name_prefix=f"kvproto-{self.engine_id[:12]}-r{self.rank}"
         )
+        transport = chosen.transport
+        self._enter_thread = chosen.enter_thread
         transport.register_blocks(layout)
         self.transport = transport
+        detail = (
+            f"{transport.name}: {layout.num_regions} regions x {layout.num_blocks} blocks "
+            f"({'split K/V' if split else 'joined'}, block {layout.block_lens[0]} B)"
+        )
+        self.record("registered", transport.local_peer, detail)
         log.info(
-            "rank %d: registered %d KV regions x %d blocks (%s, block %d B) with NIXL agent %s",
-            self.rank,
-            layout.num_regions,
-            layout.num_blocks,
-            "split K/V" if split else "joined",
-            layout.block_lens[0],
-            transport.local_peer,
+            "rank %d: registered KV caches with %s (%s)", self.rank, transport.local_peer, detail
         )
         if self.producer and self.cfg.lease.accept_legacy:
+            # parse_extra_config refuses accept_legacy unless kv_transport is "nixl".
             from kvproto_transports.nixl.wire import decode_metadata
 
             from .stock_interop import build_stock_payload
@@ -163,7 +180,10 @@ class WorkerSide:
                 rank=self.rank,
                 tp_size=self.tp_size,
             )
-            client = HandshakeClient(
+            client = TransportAwareClient(
+                kv_transport=self.cfg.kv_transport,
+                other_hashes=self._other_transport_hashes,
+                record=self.record,
                 requester=f"{self.engine_id}/{self.rank}",
                 compat_hash=self.compat,
                 secret=self.cfg.side_channel_secret,
@@ -172,6 +192,7 @@ class WorkerSide:
                 max_attempts=self.cfg.handshake_attempts,
             )
             self.reader_side = ReaderSide(reader, client, record=self.record)
+            self._client = client
             if not self.producer:
                 self._make_endpoint()
 
@@ -191,7 +212,7 @@ class WorkerSide:
     def start_load_kv(self, meta: KvprotoMetadata | None) -> None:
         if self.transport is None or self._closed:
             return
-        self.transport.adopt_current_thread()
+        self._enter_thread()
         now = time.monotonic()
         if meta is not None:
             if self.holder_side is not None and meta.incarnation is not None:
@@ -209,7 +230,7 @@ class WorkerSide:
         """(finished_sending, finished_recving, failed_recving) for this step."""
         if self.transport is None or self._closed:
             return set(), set(), set()
-        self.transport.adopt_current_thread()
+        self._enter_thread()
         self._pump(time.monotonic())
         sending = self.holder_side.take_sending() if self.holder_side is not None else set()
         recving, failed = (
@@ -277,6 +298,8 @@ class WorkerSide:
             for key, value in asdict(self.server.stats()).items():
                 snap[f"sidechannel_{key}"] = value
         snap["worker_intro_errors"] = self.intro_errors
+        if self._client is not None:
+            snap["worker_transport_mismatches"] = self._client.transport_mismatches
         return snap
 
     def shutdown(self) -> None:
@@ -289,10 +312,14 @@ class WorkerSide:
             self.reader_side.client.close()
         if self.transport is not None:
             try:
-                self.transport.adopt_current_thread()
+                self._enter_thread()
                 self.transport.close()
             except TransportError as exc:
-                log.warning("closing the NIXL transport: %s", exc)
+                log.warning("closing the %s transport: %s", self.transport.name, exc)
+
+
+def _nothing() -> None:
+    return
 
 
 def _tp_rank() -> int:

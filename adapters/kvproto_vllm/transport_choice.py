@@ -1,0 +1,156 @@
+"""The worker's transport, chosen by ``kv_transport`` in ``kv_connector_extra_config``.
+
+``"nixl"`` (default) builds a :class:`~kvproto_transports.nixl.NixlTransport`,
+``"ucx"`` a :class:`~kvproto_transports.ucx.UcxTransport` (ucxx). Everything
+else -- lease keys, side channel (``VLLM_NIXL_SIDE_CHANNEL_HOST``/``PORT``,
+``kvproto_side_channel_port``), ``auth_secret``, ``probe_interval_s`` -- means
+the same with either: the worker only talks to the Transport protocol
+(:mod:`kvproto.transport`) and the side channel carries whichever transport's
+``metadata()``.
+
+Why a fixed table and not the ``kvproto.transports`` entry points: those
+name the conformance kit's factories (test endpoints over the kit's host
+memory), and one of them is the in-process loopback, which cannot link two
+engines. The adapter needs production constructors fed from this config.
+
+Each transport is imported only when chosen: NIXL and ucxx each bundle their
+own libucx, so an engine running one never loads the other.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvproto_transports.sidechannel import CompatMismatch, HandshakeClient, HandshakeFailed
+
+from .config import KV_TRANSPORTS
+
+if TYPE_CHECKING:
+    from kvproto.transport import Transport
+    from kvproto_transports.sidechannel.client import HandshakeResult
+
+    from .config import AdapterConfig
+
+log = logging.getLogger("vllm.kvproto_connector.worker")
+
+
+def _nothing() -> None:
+    return
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChosenTransport:
+    """A started transport endpoint and what the worker must do around it."""
+
+    kind: str
+    """The ``kv_transport`` value that built it."""
+    transport: Transport
+    """The endpoint (not yet registered)."""
+    enter_thread: Callable[[], None] = _nothing
+    """Call before using the endpoint on the current thread: NIXL's owner-thread rule
+    (``adopt_current_thread``, vLLM may move the worker between threads); a no-op for
+    transports callable from any thread."""
+
+
+def _nixl(cfg: AdapterConfig, name_prefix: str) -> ChosenTransport:
+    from kvproto_transports.nixl import NixlTransport
+
+    transport = NixlTransport(
+        name_prefix=name_prefix,
+        backends=cfg.backends,
+        # No progress thread: it would spin a core per agent; the worker polls every step.
+        progress_thread=False,
+        auto_probe_interval_s=cfg.probe_interval_s,
+    )
+    return ChosenTransport(
+        kind="nixl", transport=transport, enter_thread=transport.adopt_current_thread
+    )
+
+
+def _ucx(cfg: AdapterConfig, name_prefix: str) -> ChosenTransport:
+    from kvproto_transports.ucx import UcxTransport
+
+    # UCX progress runs on the transport's own engine thread (it sleeps when idle); every
+    # method is callable from any thread. TCP only unless UCX_TLS says otherwise.
+    transport = UcxTransport(
+        name_prefix=name_prefix,
+        probe_interval_s=cfg.probe_interval_s,
+        connect_timeout_s=cfg.handshake_timeout_s,
+    )
+    return ChosenTransport(kind="ucx", transport=transport)
+
+
+BUILDERS: dict[str, Callable[[AdapterConfig, str], ChosenTransport]] = {
+    "nixl": _nixl,
+    "ucx": _ucx,
+}
+"""``kv_transport`` value -> constructor; keys equal :data:`.config.KV_TRANSPORTS`."""
+
+assert tuple(BUILDERS) == KV_TRANSPORTS
+
+
+def build_transport(cfg: AdapterConfig, *, name_prefix: str) -> ChosenTransport:
+    """Start the endpoint ``cfg.kv_transport`` names (validated by ``parse_extra_config``)."""
+    return BUILDERS[cfg.kv_transport](cfg, name_prefix)
+
+
+class TransportAwareClient(HandshakeClient):
+    """The side-channel client, naming a ``kv_transport`` mismatch when that is the cause.
+
+    A compat mismatch is only a differing hash; the reader logs the generic cause. If
+    the holder's hash equals ours with another ``kv_transport``, say so plainly: the
+    fix is one config key.
+    """
+
+    def __init__(
+        self,
+        *,
+        kv_transport: str,
+        other_hashes: dict[bytes, str],
+        record: Callable[[str, str, str], None],
+        requester: str,
+        compat_hash: bytes,
+        secret: bytes | None,
+        requester_metadata: bytes,
+        timeout_s: float,
+        max_attempts: int,
+    ) -> None:
+        super().__init__(
+            requester=requester,
+            compat_hash=compat_hash,
+            secret=secret,
+            requester_metadata=requester_metadata,
+            timeout_s=timeout_s,
+            max_attempts=max_attempts,
+        )
+        self.kv_transport = kv_transport
+        """This engine's transport."""
+        self.other_hashes = other_hashes
+        """compat hash -> the other ``kv_transport`` value that gives it
+        (:func:`.compat.other_transport_hashes`)."""
+        self.record = record
+        """The worker's decision log: (kind, subject, detail)."""
+        self.transport_mismatches = 0
+        """Handshakes refused because the holder runs another transport."""
+
+    def poll_results(self) -> list[HandshakeResult]:
+        results = super().poll_results()
+        for res in results:
+            if isinstance(res, HandshakeFailed) and isinstance(res.error, CompatMismatch):
+                theirs = self.other_hashes.get(res.error.theirs)
+                if theirs is not None:
+                    self.transport_mismatches += 1
+                    self.record("transport-mismatch", f"{res.host}:{res.port}", theirs)
+                    log.error(
+                        "KV handshake with %s:%d refused: that prefill engine uses "
+                        "kv_transport %r, this engine %r. Set the same kv_transport in "
+                        "kv_connector_extra_config on both engines.",
+                        res.host,
+                        res.port,
+                        theirs,
+                        self.kv_transport,
+                    )
+        return results
