@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from kvproto.tpmath import BlockLayout, BlockSlice
+from kvproto.tpmath import BlockSlice
 from kvproto.transport import (
     BadMetadata,
     Capabilities,
@@ -37,68 +37,21 @@ from kvproto_transports.conformance import (
     all_cases,
     run_conformance,
 )
+from kvproto_transports.forwarding import ForwardingTransport
 from kvproto_transports.loopback import LinkFaults, LoopbackGroup, LoopbackTransport
 
 # --- the broken transports ----------------------------------------------------------
 
 
-class Wrapper:
+class Wrapper(ForwardingTransport[LoopbackTransport]):
     """Delegates every Transport call to a loopback endpoint; subclasses break one thing."""
 
     LINK: LinkFaults | None = None
     """Faults of every link of the group (None: the kit's default)."""
 
     def __init__(self, inner: LoopbackTransport, group: BrokenGroup) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.group = group
-
-    @property
-    def name(self) -> str:
-        return self.inner.name
-
-    @property
-    def capabilities(self) -> Capabilities:
-        return self.inner.capabilities
-
-    @property
-    def local_peer(self) -> PeerId:
-        return self.inner.local_peer
-
-    def metadata(self) -> bytes:
-        return self.inner.metadata()
-
-    def add_peer(self, metadata: bytes) -> PeerId:
-        return self.inner.add_peer(metadata)
-
-    def remove_peer(self, peer: PeerId) -> None:
-        self.inner.remove_peer(peer)
-
-    def send(self, peer: PeerId, payload: bytes) -> None:
-        self.inner.send(peer, payload)
-
-    def poll(self) -> Sequence[TransportEvent]:
-        return self.inner.poll()
-
-    def register_blocks(self, layout: BlockLayout) -> None:
-        self.inner.register_blocks(layout)
-
-    def read_blocks(
-        self,
-        peer: PeerId,
-        *,
-        local_blocks: Sequence[int],
-        remote_blocks: Sequence[int],
-        local_slice: BlockSlice = BlockSlice.FULL,
-        remote_slice: BlockSlice = BlockSlice.FULL,
-        notify: bytes | None = None,
-    ) -> ReadId:
-        return self.inner.read_blocks(
-            peer, local_blocks=local_blocks, remote_blocks=remote_blocks,
-            local_slice=local_slice, remote_slice=remote_slice, notify=notify,
-        )
-
-    def close(self) -> None:
-        self.inner.close()
 
     @property
     def max_size(self) -> int:

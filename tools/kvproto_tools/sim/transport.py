@@ -16,9 +16,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvproto import wire
-from kvproto.tpmath import BlockLayout, BlockSlice
+from kvproto.tpmath import BlockSlice
 from kvproto.transport import (
-    Capabilities,
     PeerId,
     PeerLost,
     PeerUnreachable,
@@ -31,6 +30,7 @@ from kvproto.transport import (
     UnknownPeer,
 )
 from kvproto_transports.binding import frame_tag
+from kvproto_transports.forwarding import ForwardingTransport
 from kvproto_transports.loopback import LoopbackTransport
 
 if TYPE_CHECKING:
@@ -66,16 +66,17 @@ class _PendingRead:
     notify: bytes | None
 
 
-class SimTransport:
-    """One rank's endpoint as the engine's side sees it."""
+class SimTransport(ForwardingTransport[LoopbackTransport]):
+    """One rank's endpoint as the engine's side sees it; what it does not override goes to
+    the real endpoint unchanged."""
 
     def __init__(
         self, sim: Simulator, engine: EngineState, rank: int, real: LoopbackTransport
     ) -> None:
+        super().__init__(real)
         self.sim = sim
         self.engine = engine
         self.rank = rank
-        self.real = real
         self.inbox: list[TransportEvent] = []
         """Events delivered by the network, waiting for the engine's next step."""
         self.context: Req | None = None
@@ -86,27 +87,10 @@ class SimTransport:
         self._handles: dict[ReadId, ReadId] = {}
         self._rng = random.Random(f"{sim.base}/skew/{real.local_peer}")
 
-    # --- identity -------------------------------------------------------------------
     @property
-    def name(self) -> str:
-        return self.real.name
-
-    @property
-    def capabilities(self) -> Capabilities:
-        return self.real.capabilities
-
-    @property
-    def local_peer(self) -> PeerId:
-        return self.real.local_peer
-
-    def metadata(self) -> bytes:
-        return self.real.metadata()
-
-    def add_peer(self, metadata: bytes) -> PeerId:
-        return self.real.add_peer(metadata)
-
-    def remove_peer(self, peer: PeerId) -> None:
-        self.real.remove_peer(peer)
+    def real(self) -> LoopbackTransport:
+        """The real loopback endpoint (:attr:`inner`), in the simulator's words."""
+        return self.inner
 
     # --- traffic ------------------------------------------------------------------------
     def send(self, peer: PeerId, payload: bytes) -> None:
@@ -129,9 +113,6 @@ class SimTransport:
             elif isinstance(ev, PeerLost):
                 self.disturbed = True
         return events
-
-    def register_blocks(self, layout: BlockLayout) -> None:
-        self.real.register_blocks(layout)
 
     def read_blocks(
         self,
@@ -188,6 +169,3 @@ class SimTransport:
             else:
                 out.append(ev)
         return out
-
-    def close(self) -> None:
-        self.real.close()
