@@ -144,23 +144,32 @@ class Consumer:
         if tracked is None or params is None:
             return
         local: list[int] = []
+        remote = list(tracked.remote_block_ids)
         if num_external_tokens > 0:
             groups = blocks.get_unhashed_block_ids_all_groups()
             local = [int(b) for b in groups[0]] if groups else []
-        if len(local) > len(tracked.remote_block_ids):
+            allocated = blocks.get_block_ids()
+            n_alloc = len(allocated[0]) if allocated else 0
+            if 0 < n_alloc < len(remote):
+                # The holder's blocks may cover more tokens than this request loads (it
+                # decoded past the prompt, or a turn-2 prompt is shorter than D's whole
+                # conversation). Block i here is the holder's block i, and the read takes
+                # the tail of the remote list, so that list must end where ours ends.
+                remote = remote[:n_alloc]
+        if len(local) > len(remote):
             log.error(
                 "request %s: %d local blocks to fill but the holder has only %d; recomputing",
                 request.request_id,
                 len(local),
-                len(tracked.remote_block_ids),
+                len(remote),
             )
-            local = local[-len(tracked.remote_block_ids) :] if tracked.remote_block_ids else []
+            local = local[-len(remote) :] if remote else []
         tracked.planned = True
         self._recvs.append(
             Recv(
                 request_id=request.request_id,
                 local_block_ids=local,
-                remote_block_ids=list(tracked.remote_block_ids),
+                remote_block_ids=remote,
                 awaiting=num_external_tokens > 0,
             )
         )

@@ -480,3 +480,20 @@ def test_turn2_params_ignored_without_bidirectional(
     meta, out, _ = step(sched)
     assert meta.tracks == [] and meta.recvs == []
     assert out.num_scheduled_tokens.get("t6") == len(prompt)
+
+
+def test_read_ends_where_the_request_ends(
+    tiny_model_dir: Path, turn2_params: dict[str, Any]
+) -> None:
+    """The holder's blocks cover more tokens than this prompt: read its first blocks.
+
+    D kept 107 tokens (4 blocks); a turn-2 prompt of 40 tokens loads 40 of them
+    into 2 blocks, which must come from D's blocks 0 and 1, not from its tail."""
+    sched = make_scheduler(tiny_model_dir, "kv_producer", **BIDIR)
+    short = PROMPT[:40]
+    sched.add_request(request("t7", max_tokens=1, params=copy.deepcopy(turn2_params), prompt=short))
+    meta, _, _ = step(sched)
+    (recv,) = meta.recvs
+    (remote,) = turn2_params["remote_block_ids"]
+    assert len(recv.local_block_ids) == 2
+    assert recv.remote_block_ids == remote[:2]
