@@ -35,6 +35,23 @@ def host_layout(mem: np.ndarray, regions: int, num_blocks: int, block_len: int) 
     )
 
 
+def partial_hit(blocks: int, num_blocks: int) -> tuple[list[int], list[int]]:
+    """``(local, remote)`` blocks of the benches' read: the holder's last ``blocks`` blocks
+    into the reader's first (a partial prefix hit: the two sides' block ids differ)."""
+    return list(range(blocks)), list(range(num_blocks - blocks, num_blocks))
+
+
+def read_config(*, iterations: int, blocks: int, regions: int, block_len: int) -> dict[str, Any]:
+    """The ``config`` keys both benches report; each adds its transport's own after them."""
+    return {
+        "iterations": iterations,
+        "blocks": blocks,
+        "regions": regions,
+        "block_len": block_len,
+        "read_bytes": blocks * regions * block_len,
+    }
+
+
 def spin(cond: Callable[[], bool], timeout_s: float, what: str, pause_s: float = 0.0) -> None:
     """Call ``cond`` until it is true (sleeping ``pause_s`` between calls if given).
 

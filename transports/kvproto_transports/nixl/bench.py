@@ -24,7 +24,14 @@ import numpy as np
 
 from kvproto.tpmath import BlockLayout, descriptor_ids
 from kvproto.transport import ReadCompleted, ReadFailed, Received, TransportEvent
-from kvproto_transports.benchloop import host_layout, interleave, overhead_report, spin
+from kvproto_transports.benchloop import (
+    host_layout,
+    interleave,
+    overhead_report,
+    partial_hit,
+    read_config,
+    spin,
+)
 
 from ._binding import load_nixl
 from .transport import NixlTransport
@@ -169,8 +176,7 @@ def measure_overhead(
     mems = [np.full(shape, i, dtype=np.uint8) for i in range(4)]
     raw = _Raw(mems[0], mems[1], shape, progress_thread, timeout_s)
     kv = _Kv(mems[2], mems[3], shape, progress_thread, timeout_s)
-    want = list(range(num_blocks - blocks, num_blocks))  # a partial-hit tail
-    got = list(range(blocks))
+    got, want = partial_hit(blocks, num_blocks)
     ids_local = np.asarray(descriptor_ids(got, regions, num_blocks), dtype=np.int32)
     ids_remote = np.asarray(descriptor_ids(want, regions, num_blocks), dtype=np.int32)
     steps: dict[str, Callable[[], float]] = {
@@ -187,11 +193,7 @@ def measure_overhead(
         kv.close()
         raw.close()
     config = {
-        "iterations": iterations,
-        "blocks": blocks,
-        "regions": regions,
-        "block_len": block_len,
-        "read_bytes": blocks * regions * block_len,
+        **read_config(iterations=iterations, blocks=blocks, regions=regions, block_len=block_len),
         "descriptors_per_read": blocks * regions,
         "progress_thread": progress_thread,
         "nixl_module": load_nixl().module,

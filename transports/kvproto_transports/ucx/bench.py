@@ -27,7 +27,14 @@ import numpy as np
 
 from kvproto.tpmath import BlockLayout
 from kvproto.transport import ReadCompleted, ReadFailed, Received, TransportEvent
-from kvproto_transports.benchloop import host_layout, interleave, overhead_report, spin
+from kvproto_transports.benchloop import (
+    host_layout,
+    interleave,
+    overhead_report,
+    partial_hit,
+    read_config,
+    spin,
+)
 
 from ._ucp import UCS_INPROGRESS, UCS_OK, Ucp, load_ucp
 from ._ucxx import load_ucxx
@@ -208,8 +215,7 @@ def measure_overhead(
             num_blocks, block_len) + r
         mems[2][r] = mems[0][r]
     layouts = [host_layout(m, regions, num_blocks, block_len) for m in mems]
-    want = list(range(num_blocks - blocks, num_blocks))  # a partial-hit tail
-    got = list(range(blocks))
+    got, want = partial_hit(blocks, num_blocks)
     raw = _Raw(layouts[0], layouts[1], timeout_s)
     kv = _Kv(layouts[2], layouts[3], timeout_s)
     steps: dict[str, Callable[[], float]] = {
@@ -227,11 +233,7 @@ def measure_overhead(
         kv.close()
         raw.close()
     config = {
-        "iterations": iterations,
-        "blocks": blocks,
-        "regions": regions,
-        "block_len": block_len,
-        "read_bytes": blocks * regions * block_len,
+        **read_config(iterations=iterations, blocks=blocks, regions=regions, block_len=block_len),
         "gets_per_read": regions,  # consecutive blocks merge into one get per region
         "ucx_tls": DEFAULT_UCX_OPTIONS["TLS"],
     }
