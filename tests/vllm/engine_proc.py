@@ -242,6 +242,21 @@ class _Server:
     def cmd_steps(self) -> int:
         return self.steps
 
+    def cmd_loaded(self, prefixes: list[str]) -> dict[str, list[str]]:
+        """Loaded Python modules and mapped files of site-packages entries whose names start
+        with a prefix (a UCX engine must never load NIXL: both bundle their own libucx)."""
+        import sys
+
+        modules = sorted(m for m in sys.modules if m.startswith(tuple(prefixes)))
+        files: set[str] = set()
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1]
+                parts = path.split("/site-packages/", 1)
+                if len(parts) == 2 and parts[1].startswith(tuple(prefixes)):
+                    files.add(parts[1])
+        return {"modules": modules, "files": sorted(files)}
+
     def cmd_connector_state(self) -> dict[str, Any]:
         """debug_state() of the scheduler- and worker-side connectors, when they have one."""
         from vllm.distributed.kv_transfer.kv_transfer_state import (
