@@ -275,6 +275,7 @@ class KvprotoConnector(KVConnectorBase_V1, SupportsHMA):
             if producer is not None:
                 out["incarnation"] = producer.incarnation
                 out["granted"] = producer.granted
+                out["granted_turn2"] = producer.granted_turn2
             if consumer is not None:
                 out["tracked"] = consumer.tracked_count()
                 out["untracked"] = consumer.untracked

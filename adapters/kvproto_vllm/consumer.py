@@ -91,8 +91,8 @@ class Consumer:
         parsed = _parse(params)
         if isinstance(parsed, str):
             self.untracked += 1
-            what = "turn-2 prefix" if turn2 else "request"
-            log.warning("%s of request %s is prefilled locally: %s", what, rid, parsed)
+            what = "the turn-2 prefix of request" if turn2 else "request"
+            log.warning("%s %s is prefilled locally: %s", what, rid, parsed)
             params["do_remote_prefill"] = False
             if turn2:
                 params[TURN2_DONE_KEY] = True

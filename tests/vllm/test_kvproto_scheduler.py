@@ -346,7 +346,7 @@ def _decoder_turn2_flow(model: Path, prefill_params: dict[str, Any]) -> dict[str
     assert finishes == ["d1"]  # the turn-1 read's tracking ended at finished_recving
     step(sched, sending={"d1"})  # P's done (or the TTL lapse) came back as FreeBlocks
     assert "d1" not in sched.requests and free_blocks(sched) == free0
-    assert conn.debug_state()["granted"] == 1
+    assert conn.debug_state()["granted"] == conn.debug_state()["granted_turn2"] == 1
     return dict(params)
 
 
