@@ -39,10 +39,11 @@ from kvproto.holder import Holder
 from kvproto.reader import Reader
 from kvproto.states import LeaseState
 from kvproto.ticket import LeaseTicket
-from kvproto.tpmath import BlockLayout, BlockSlice
-from kvproto.transport import Capabilities, PeerId, ReadId, TransportEvent
+from kvproto.tpmath import BlockSlice
+from kvproto.transport import PeerId, ReadId, TransportEvent
 from kvproto_transports.aio import AsyncEndpoint, DriverClosed, Happened, Wakeable
 from kvproto_transports.binding import Endpoint
+from kvproto_transports.forwarding import ForwardingTransport
 from kvproto_transports.loopback import LinkFaults, LoopbackNetwork, LoopbackTransport
 from kvproto_transports.ucx import ucx_available, unavailable_reason
 
@@ -82,44 +83,17 @@ class Pump:
             transport.collect()
 
 
-class Pumped:
+class Pumped(ForwardingTransport[LoopbackTransport]):
     """A LoopbackTransport that keeps the pump in step; no wakeup hook (drivers poll it)."""
 
     def __init__(self, inner: LoopbackTransport, pump: Pump) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.pump = pump
-
-    @property
-    def name(self) -> str:
-        return self.inner.name
-
-    @property
-    def capabilities(self) -> Capabilities:
-        return self.inner.capabilities
-
-    @property
-    def local_peer(self) -> PeerId:
-        return self.inner.local_peer
-
-    def metadata(self) -> bytes:
-        return self.inner.metadata()
-
-    def add_peer(self, metadata: bytes) -> PeerId:
-        return self.inner.add_peer(metadata)
-
-    def remove_peer(self, peer: PeerId) -> None:
-        self.inner.remove_peer(peer)
 
     def send(self, peer: PeerId, payload: bytes) -> None:
         self.pump.sync()
-        self.inner.send(peer, payload)
+        super().send(peer, payload)
         self.pump.kick()
-
-    def poll(self) -> Sequence[TransportEvent]:
-        return self.inner.poll()
-
-    def register_blocks(self, layout: BlockLayout) -> None:
-        self.inner.register_blocks(layout)
 
     def read_blocks(
         self,
@@ -132,7 +106,7 @@ class Pumped:
         notify: bytes | None = None,
     ) -> ReadId:
         self.pump.sync()
-        read_id = self.inner.read_blocks(
+        read_id = super().read_blocks(
             peer,
             local_blocks=local_blocks,
             remote_blocks=remote_blocks,
@@ -142,9 +116,6 @@ class Pumped:
         )
         self.pump.kick()
         return read_id
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 class WakeablePumped(Pumped):
