@@ -25,6 +25,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import resource
+import signal
 import socket
 import time
 import traceback
@@ -69,6 +70,11 @@ class EngineSpec:
     box two engines then share one core. False disables that (in-process)."""
     extra_env: dict[str, str] = field(default_factory=dict)
     """More env vars set in the child before vLLM is imported."""
+    tensor_parallel_size: int = 1
+    """TP ranks; above 1 the engine core stays in the child but each rank is a
+    worker process of vLLM's multiprocessing executor (so worker-side state is
+    read with ``worker_states``), its OpenMP threads bound by
+    ``VLLM_CPU_OMP_THREADS_BIND`` (see :func:`omp_bind`)."""
 
 
 def _set_env(spec: EngineSpec) -> None:
@@ -79,7 +85,21 @@ def _set_env(spec: EngineSpec) -> None:
     os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
     os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.side_channel_port)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if spec.tensor_parallel_size > 1:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = omp_bind(spec.tensor_parallel_size)
     os.environ.update(spec.extra_env)
+
+
+def omp_bind(tp_size: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` giving TP rank r the r-th CPU this process may use
+    (wrapping round when there are fewer CPUs than ranks).
+
+    vLLM's default ``auto`` binds one NUMA node per rank and refuses TP 2 on a
+    single-node machine ("Not enough allowed NUMA nodes to bind threads of 2
+    local CPUWorkers"); ``nobind`` would give every rank all cores' worth of
+    OpenMP threads. An explicit list ``"0|1"`` runs TP 2 on two cores."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return "|".join(str(cpus[r % len(cpus)]) for r in range(tp_size))
 
 
 def _disable_kv_core_pinning() -> None:
@@ -111,6 +131,7 @@ class _Server:
             max_num_seqs=spec.max_num_seqs,
             scheduling_policy=spec.scheduling_policy,
             enable_prefix_caching=spec.prefix_caching,
+            tensor_parallel_size=spec.tensor_parallel_size,
             kv_transfer_config=spec.kv_transfer_config,
             disable_log_stats=False,  # Prometheus metrics for get_metrics()
             seed=0,
@@ -127,10 +148,12 @@ class _Server:
     # -- commands (name -> method cmd_<name>) ---------------------------------
     def cmd_info(self) -> dict[str, Any]:
         # affinity shows whether the stock NIXL worker pinned the engine thread.
+        pids: list[int] = self.llm.collective_rpc(_worker_pid)
         return {
             "init_s": self.init_s,
             "pid": os.getpid(),
             "affinity": sorted(os.sched_getaffinity(0)),
+            "worker_pids": [pid for pid in pids if pid != os.getpid()],
         }
 
     def cmd_generate(
@@ -274,16 +297,49 @@ class _Server:
                 out["worker"] = worker_conn.debug_state()
         return out
 
+    def cmd_worker_states(self) -> list[dict[str, Any]]:
+        """debug_state() of the worker-side connector of every TP rank, rank order
+        (through vLLM's collective_rpc: with TP > 1 the ranks are other processes)."""
+        states: list[dict[str, Any]] = self.llm.collective_rpc(_worker_connector_state)
+        return states
+
     def _step(self) -> None:
         for out in self.llm.llm_engine.step():
             if out.finished:
                 self.outputs[out.request_id] = out
         self.steps += 1
 
+    def shutdown_workers(self) -> None:
+        """End the TP worker processes before the child exits. Left to interpreter
+        exit, the multiprocessing executor's teardown outlived stop()'s 30 s join
+        here (the child was then SIGKILLed); shut down explicitly it takes ~9 s
+        (vLLM's 5 s grace, then SIGTERM)."""
+        with contextlib.suppress(Exception):
+            self.llm.llm_engine.engine_core.shutdown()
+
     def pump(self) -> None:
         """Between commands: step like the server loop would."""
         if self.scheduler.has_requests():
             self._step()
+
+
+def _worker_pid(_worker: Any) -> int:
+    """Runs in a worker (collective_rpc): its process id."""
+    return os.getpid()
+
+
+def _worker_connector_state(_worker: Any) -> dict[str, Any]:
+    """Runs in a worker (collective_rpc): its connector's debug_state(), or {}."""
+    from vllm.distributed.kv_transfer.kv_transfer_state import (
+        get_kv_transfer_group,
+        has_kv_transfer_group,
+    )
+
+    if not has_kv_transfer_group():
+        return {}
+    connector = get_kv_transfer_group()
+    state: dict[str, Any] = connector.debug_state() if hasattr(connector, "debug_state") else {}
+    return state
 
 
 def _output_dict(o: Any, waited_s: float) -> dict[str, Any]:
@@ -315,6 +371,8 @@ def _child_main(conn: Any, spec: EngineSpec) -> None:
             continue
         name, kwargs = conn.recv()
         if name == "stop":
+            if spec.tensor_parallel_size > 1:
+                server.shutdown_workers()
             conn.send(("ok", None))
             return
         try:
@@ -331,7 +389,10 @@ class EngineProc:
         self.name = name
         self.spec = spec
         self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_child_main, args=(child, spec), name=name, daemon=True)
+        # A daemonic process may not start children, and TP > 1 starts one worker
+        # process per rank; stop()/kill() end the child either way.
+        daemon = spec.tensor_parallel_size == 1
+        self.proc = ctx.Process(target=_child_main, args=(child, spec), name=name, daemon=daemon)
         self.proc.start()
         self.info: dict[str, Any] | None = None
 
@@ -366,7 +427,12 @@ class EngineProc:
         self.kill()
 
     def kill(self) -> None:
-        """SIGKILL, as a crashed engine would look to its peer."""
+        """SIGKILL, as a crashed engine would look to its peer (TP worker processes too)."""
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join()
+        for pid in (self.info or {}).get("worker_pids", []):
+            # The dead child's TP workers would notice only at their next poll of
+            # its death pipe; a killed engine must not leave them behind.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -399,3 +399,73 @@ def test_holder_tp_wider_than_reader(pair: Any) -> None:
     finally:
         for side in (d, p1, p0):
             side.shutdown()
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1)])
+def test_partial_hit_across_tp_ratio(pair: Any, p_tp: int, d_tp: int) -> None:
+    """A partial prefix hit with a TP ratio: D has the first two of P's four blocks
+    cached, so every D rank reads only the last two, each from its holder rank(s) and
+    into its head slice -- nothing else in D's cache changes. Every holder rank counts
+    one done per expected consumer and frees exactly once (no late or duplicate done);
+    every rank reports exactly once."""
+    cfg = pair[4]
+    heads = 2  # the tiny Llama's KV heads; a rank holds heads // tp of them
+    base = free_port_pair()
+    p_engine, d_engine = f"P-part-{p_tp}{d_tp}", f"D-part-{p_tp}{d_tp}"
+    ps = [
+        tp_worker(cfg, p_engine, r, p_tp, heads // p_tp, producer=True, port=base)
+        for r in range(p_tp)
+    ]
+    ds = [
+        tp_worker(cfg, d_engine, r, d_tp, heads // d_tp, producer=False, port=free_port())
+        for r in range(d_tp)
+    ]
+    try:
+        ranks = Ranks([p for p, _ in ps], [d for d, _ in ds])
+        mint_ = LeaseMint(
+            engine=p_engine,
+            incarnation=INCARNATION,
+            tp_size=p_tp,
+            params=ps[0][0].cfg.lease.params,
+            entropy=secrets.token_bytes,
+        )
+        ticket = mint_.mint(time.monotonic(), request_id="p-tp", ttl=30)
+        local, remote = [12, 13], [20, 21, 22, 23]
+        p_meta, d_meta = grant_and_orders(ticket, base, local, remote)
+        ranks.step(p_meta, d_meta)
+        ranks.run_until(
+            "every rank reported",
+            lambda: all(ranks.sending.values()) and all(ranks.recving.values()),
+        )
+        for _ in range(10):  # nothing is reported twice
+            ranks.step()
+        assert ranks.sending == {r: ["p-tp"] for r in range(p_tp)}
+        assert ranks.recving == {r: ["d-tp"] for r in range(d_tp)} and ranks.failed == []
+
+        consumers = d_tp // p_tp if d_tp > p_tp else 1  # D ranks reading one P rank
+        for p, _ in ps:
+            stats = p.stats_snapshot()
+            assert stats["holder_done_frames"] == consumers, stats
+            assert stats["holder_released_done"] == 1 and stats["holder_late_done"] == 0
+            assert stats["holder_duplicate_done"] == 0 and stats["holder_expired"] == 0
+        for d, _ in ds:
+            stats = d.stats_snapshot()
+            assert stats["reader_reads_started"] == (p_tp // d_tp if p_tp > d_tp else 1)
+            assert stats["reader_reads_confirmed"] == 1 and stats["reader_failed_recving"] == 0
+
+        tail = remote[-len(local) :]
+        for name in LAYERS:
+            for d_rank, (_, d_kv) in enumerate(ds):
+                for p_rank, (_, p_kv) in enumerate(ps):
+                    if d_tp > p_tp:  # D rank r holds head r of P's only rank
+                        want = p_kv[name][tail][:, d_rank : d_rank + 1]
+                        got = d_kv[name][local]
+                    else:  # D's only rank holds P rank h's head at slice h
+                        want = p_kv[name][tail]
+                        got = d_kv[name][local][:, p_rank : p_rank + 1]
+                    assert torch.equal(got, want), (name, d_rank, p_rank)
+                others = [b for b in range(NUM_BLOCKS) if b not in local]
+                assert not d_kv[name][others].any(), "a block outside the read changed"
+    finally:
+        for side, _ in (*ds, *ps):
+            side.shutdown()

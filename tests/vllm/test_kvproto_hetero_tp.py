@@ -1,0 +1,183 @@
+"""Heterogeneous TP between two real vLLM CPU engines over KvprotoConnector.
+
+Engine A runs TP 1 (in-process executor), engine B runs TP 2 (vLLM's
+multiprocessing executor: one worker process per rank, OpenMP threads of rank
+r bound to the r-th CPU, engine_proc.omp_bind). The tiny Llama has 2 KV heads,
+so each B rank holds one head of every head-major CPU block. Both engines are
+``kv_both`` so that one pair covers both directions (a TP-2 engine costs about
+a minute to start here):
+
+1. P TP 1 -> D TP 2: each D rank reads its head of every P block from P's
+   only rank; P's holder expects two consumers and frees once, on the second
+   done (``done_frames`` 2, ``released_done`` 1, no late or duplicate done).
+2. P TP 2 -> D TP 1: D's only rank reads from both P ranks (side channels on
+   base + rank) into the two halves of its blocks; each P rank frees once, on
+   its own done; vLLM reports the request finished only when both ranks did.
+
+Each direction: greedy output on D equals the non-disaggregated baseline (and
+TP 1 and TP 2 agree without a transfer); every prompt token arrives through
+the connector (D's external prefix hits = prompt length, every D rank
+confirmed the read of all blocks, no failed read; prefix caching is off on
+both engines, so nothing is a local hit); P holds the blocks after prefill
+and gets all of them back.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .vllm_required import require_vllm
+
+require_vllm()
+
+from .engine_proc import EngineProc, EngineSpec, free_port  # noqa: E402
+from .kvproto_config import kvproto_config  # noqa: E402
+from .tiny_model import make_prompt  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+MAX_TOKENS = 16
+HITS = "vllm:external_prefix_cache_hits"
+
+
+def free_port_pair() -> int:
+    """A port p with p + 1 also free now (rank r of a TP-2 holder listens on base + r)."""
+    for _ in range(50):
+        base = free_port()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", base + 1))
+            except OSError:
+                continue
+        return base
+    raise RuntimeError("no two adjacent free ports")
+
+
+def engine(model: Path, name: str, tp: int) -> EngineProc:
+    return EngineProc(
+        EngineSpec(
+            model=str(model),
+            kv_transfer_config=kvproto_config("kv_both"),
+            side_channel_port=free_port_pair(),
+            prefix_caching=False,
+            tensor_parallel_size=tp,
+        ),
+        name=name,
+    )
+
+
+def generate(e: EngineProc, prompt: str, max_tokens: int, kvp: Any = None) -> dict[str, Any]:
+    (out,) = e.call(
+        "generate",
+        prompts=[prompt],
+        sampling={"max_tokens": max_tokens},
+        kv_transfer_params=None if kvp is None else [kvp],
+    )
+    return dict(out)
+
+
+def new_events(
+    before: list[dict[str, Any]], after: list[dict[str, Any]]
+) -> list[list[tuple[float, str, str, str]]]:
+    """Per rank: worker events recorded between two worker_states snapshots."""
+    out = []
+    for b, a in zip(before, after, strict=True):
+        seen = {tuple(e) for e in b["events"]}
+        out.append([tuple(e) for e in a["events"] if tuple(e) not in seen])
+    return out
+
+
+def stat_deltas(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> list[dict[str, int]]:
+    """Per rank: how much each worker counter grew between two snapshots."""
+    return [
+        {k: v - b["stats"].get(k, 0) for k, v in a["stats"].items()}
+        for b, a in zip(before, after, strict=True)
+    ]
+
+
+def transfer(
+    p: EngineProc, d: EngineProc, prompt: str, figures: dict[str, float], label: str
+) -> None:
+    p_tp, d_tp = p.spec.tensor_parallel_size, d.spec.tensor_parallel_size
+    base = generate(d, prompt, MAX_TOKENS)["token_ids"]
+    assert generate(p, prompt, MAX_TOKENS)["token_ids"] == base, "TP 1 and TP 2 disagree"
+    p_before, d_before = p.call("worker_states"), d.call("worker_states")
+    assert len(p_before) == p_tp and len(d_before) == d_tp
+    hits_before = d.call("metrics", names=[HITS])[HITS]
+    free_before = p.call("state")["free_blocks"]
+
+    pre = generate(p, prompt, 1, {"do_remote_decode": True})
+    params = pre["kv_transfer_params"]
+    assert params is not None and "kvproto" in params and params["tp_size"] == p_tp
+    n_blocks = len(params["remote_block_ids"][0])
+    held = p.call("state")
+    assert held["requests"] == 1 and held["free_blocks"] == free_before - n_blocks
+
+    dec = generate(d, prompt, MAX_TOKENS, params)
+    assert dec["token_ids"] == base and dec["finish_reason"] == "length"
+    released = p.call("wait_idle", timeout_s=30.0)
+    assert released["idle"], "P never released the blocks after D's read"
+    assert p.call("state")["free_blocks"] == free_before
+    n_prompt = len(dec["prompt_token_ids"])
+    assert d.call("metrics", names=[HITS])[HITS] - hits_before == n_prompt
+
+    p_after, d_after = p.call("worker_states"), d.call("worker_states")
+    rid = params["remote_request_id"]
+    # Holder rank h is read by every D rank whose targets include it.
+    consumers_per_p_rank = d_tp // p_tp if d_tp > p_tp else 1
+    p_ranks_per_d_rank = p_tp // d_tp if p_tp > d_tp else 1
+    frees = []
+    for rank, (events, stats) in enumerate(
+        zip(new_events(p_before, p_after), stat_deltas(p_before, p_after), strict=True)
+    ):
+        freed = [e for e in events if e[1] == "freed"]
+        assert [(e[2], e[3]) for e in freed] == [(rid, "DONE")], (rank, events)
+        # Freed once, by the last expected consumer's done: a free after the first
+        # of two dones would have answered the second LATE.
+        assert stats["holder_done_frames"] == consumers_per_p_rank, (rank, stats)
+        assert stats["holder_released_done"] == 1 and stats["holder_late_done"] == 0
+        assert stats["holder_duplicate_done"] == 0 and stats["holder_expired"] == 0
+        frees.append(freed[0][0])
+    tracks, confirms = [], []
+    for rank, (events, stats) in enumerate(
+        zip(new_events(d_before, d_after), stat_deltas(d_before, d_after), strict=True)
+    ):
+        confirmed = [e for e in events if e[1] == "confirmed"]
+        assert [e[3] for e in confirmed] == [f"{n_blocks} blocks"], (rank, events)
+        assert not [e for e in events if e[1] == "failed"], (rank, events)
+        assert stats["reader_reads_started"] == p_ranks_per_d_rank, (rank, stats)
+        assert stats["reader_reads_confirmed"] == 1 and stats["reader_failed_recving"] == 0
+        tracks.append(next(e for e in events if e[1] == "tracked")[0])
+        confirms.append(confirmed[0][0])
+    # Worker events carry time.monotonic(): CLOCK_MONOTONIC, one clock for every
+    # process on the host, so times from different ranks and engines compare.
+    figures[f"{label} prompt tok"] = n_prompt
+    figures[f"{label} decode s"] = dec["generate_s"]
+    figures[f"{label} D track->all ranks confirmed ms"] = (max(confirms) - min(tracks)) * 1e3
+    figures[f"{label} D track->all P ranks freed ms"] = (max(frees) - min(tracks)) * 1e3
+
+
+def test_hetero_tp_engines(tiny_model_dir: Path) -> None:
+    t0 = time.perf_counter()
+    a = engine(tiny_model_dir, "A-tp1", 1)
+    b = engine(tiny_model_dir, "B-tp2", 2)
+    try:
+        a_info, b_info = a.wait_ready(), b.wait_ready()
+        figures: dict[str, float] = {"A init s": a_info["init_s"], "B init s": b_info["init_s"]}
+        transfer(a, b, make_prompt(8), figures, "P1->D2")
+        transfer(b, a, make_prompt(9), figures, "P2->D1")
+        print(
+            "\nkvproto heterogeneous TP: "
+            + ", ".join(f"{k} {v:.1f}" for k, v in figures.items())
+            + f", wall {time.perf_counter() - t0:.1f}s"
+        )
+    finally:
+        for e in (a, b):
+            t_stop = time.perf_counter()
+            e.stop()
+            print(f"stop {e.name} {time.perf_counter() - t_stop:.1f}s")
