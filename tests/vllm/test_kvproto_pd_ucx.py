@@ -37,6 +37,7 @@ require_vllm()
 import torch  # noqa: E402
 
 from kvproto.config import ConfigError  # noqa: E402
+from kvproto_transports.ucx import ucx_available, unavailable_reason  # noqa: E402
 from kvproto_vllm.config import KV_TRANSPORTS, parse_extra_config  # noqa: E402
 from kvproto_vllm.metadata import Grant, KvprotoMetadata  # noqa: E402
 from kvproto_vllm.transport_choice import BUILDERS  # noqa: E402
@@ -64,6 +65,10 @@ from .test_kvproto_worker import (  # noqa: E402
 from .tiny_model import CORPUS  # noqa: E402
 
 UCX = {"kv_transport": "ucx"}
+
+# Like the transport's own tests: without ucxx (CI's install of it is optional) the tests
+# that run UCX skip with the reason; the config tests still run.
+skip_without_ucx = pytest.mark.skipif(not ucx_available(), reason=f"UCX: {unavailable_reason()}")
 
 
 # ---------------------------------------------------------------- 1. config
@@ -109,6 +114,8 @@ def test_connector_refuses_an_unknown_transport(tiny_model_dir: Path) -> None:
 # ---------------------------------------------------------- 2. worker level
 
 
+@pytest.mark.ucx
+@skip_without_ucx
 def test_worker_reads_over_ucx(tiny_model_dir: Path) -> None:
     cfg = vllm_config(tiny_model_dir)
     p, p_kv = make_worker(cfg, "P-ucx", producer=True, port=free_port(), **UCX)
@@ -145,6 +152,9 @@ def test_worker_reads_over_ucx(tiny_model_dir: Path) -> None:
         p.shutdown()
 
 
+@pytest.mark.ucx
+@pytest.mark.nixl
+@skip_without_ucx
 def test_ucx_reader_refused_by_nixl_holder(tiny_model_dir: Path) -> None:
     cfg = vllm_config(tiny_model_dir)
     p, _ = make_worker(cfg, "P-nixl", producer=True, port=free_port())
@@ -239,7 +249,9 @@ def engine(model: Path, name: str, role: str, **kw: Any) -> EngineProc:
     )
 
 
+@pytest.mark.ucx
 @pytest.mark.slow
+@skip_without_ucx
 def test_kvproto_pd_over_ucx(tiny_model_dir: Path) -> None:
     t0 = time.perf_counter()
     p = engine(tiny_model_dir, "P-ucx", "kv_producer", prefix_caching=False)
