@@ -170,8 +170,8 @@ class ReaderSide:
             log.error(
                 "KV handshake with prefill engine %s (rank %d at %s:%d) refused: the engines "
                 "are not compatible (%s). They must run the same vLLM and model -- loaded from "
-                "the same path --, dtype, KV cache dtype and block size. Its requests are "
-                "recomputed locally.",
+                "the same path --, dtype, KV cache dtype, block size and kv_transport. Its "
+                "requests are recomputed locally.",
                 engine,
                 rank,
                 res.host,

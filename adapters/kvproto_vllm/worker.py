@@ -116,9 +116,9 @@ class WorkerSide:
     # ------------------------------------------------------------ setup
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        # layout.py imports neither NIXL nor torch: it serves every transport.
-        from kvproto_transports.nixl.layout import layout_from_tensors
+        # tensor_layout imports neither NIXL nor torch: it serves every transport.
         from kvproto_transports.sidechannel import SideChannelServer
+        from kvproto_transports.tensor_layout import layout_from_tensors
 
         from .transport_choice import TransportAwareClient, build_transport
 

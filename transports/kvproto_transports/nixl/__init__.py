@@ -6,9 +6,9 @@ is created (see :mod:`._binding`). :func:`nixl_available` says whether it can be
 
 from __future__ import annotations
 
+from ..tensor_layout import layout_from_tensors, memory_kind_of
 from ._binding import nixl_available
 from .errors import LayoutMismatch, RegistrationError, WrongThread
-from .layout import layout_from_tensors, memory_kind_of
 from .transport import DEFAULT_MAX_NOTIFICATION_SIZE, PROBE_PAYLOAD, NixlStats, NixlTransport
 
 __all__ = [

@@ -89,7 +89,7 @@ class Node:
         """
         import torch
 
-        from .layout import layout_from_tensors
+        from ..tensor_layout import layout_from_tensors
 
         dt = getattr(torch, dtype)
         tensors = []

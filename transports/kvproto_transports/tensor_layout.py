@@ -1,4 +1,4 @@
-"""Build a :class:`~kvproto.tpmath.BlockLayout` from KV cache tensors (seed 004, step 1).
+"""Build a :class:`~kvproto.tpmath.BlockLayout` from KV tensors (seed 004, step 1), any transport.
 
 Two layouts exist in vLLM:
 
