@@ -43,6 +43,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_port_pair() -> int:
+    """A port p with p + 1 also free now (rank r of a TP-2 holder listens on base + r)."""
+    for _ in range(50):
+        base = free_port()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", base + 1))
+            except OSError:
+                continue
+        return base
+    raise RuntimeError("no two adjacent free ports")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineSpec:
     """How to build one engine."""

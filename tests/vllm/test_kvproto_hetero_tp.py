@@ -24,7 +24,6 @@ and gets all of them back.
 
 from __future__ import annotations
 
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,7 @@ from .vllm_required import require_vllm
 
 require_vllm()
 
-from .engine_proc import EngineProc, EngineSpec, free_port  # noqa: E402
+from .engine_proc import EngineProc, EngineSpec, free_port_pair  # noqa: E402
 from .kvproto_config import kvproto_config  # noqa: E402
 from .tiny_model import make_prompt  # noqa: E402
 
@@ -43,19 +42,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 MAX_TOKENS = 16
 HITS = "vllm:external_prefix_cache_hits"
-
-
-def free_port_pair() -> int:
-    """A port p with p + 1 also free now (rank r of a TP-2 holder listens on base + r)."""
-    for _ in range(50):
-        base = free_port()
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", base + 1))
-            except OSError:
-                continue
-        return base
-    raise RuntimeError("no two adjacent free ports")
 
 
 def engine(model: Path, name: str, tp: int) -> EngineProc:

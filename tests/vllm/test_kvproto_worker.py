@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,7 +41,7 @@ from kvproto_vllm.config import parse_extra_config  # noqa: E402
 from kvproto_vllm.metadata import Grant, KvprotoMetadata, Recv, Track  # noqa: E402
 from kvproto_vllm.worker import WorkerSide  # noqa: E402
 
-from .engine_proc import free_port  # noqa: E402
+from .engine_proc import free_port, free_port_pair  # noqa: E402
 from .kvproto_config import kvproto_config  # noqa: E402
 
 NUM_BLOCKS = 64
@@ -288,19 +287,6 @@ class Ranks:
             assert time.monotonic() < end, f"{what}: not reached"
             self.step(only_d=only_d)
             time.sleep(0.002)
-
-
-def free_port_pair() -> int:
-    """A port p with p + 1 also free now (rank r of a TP-2 holder listens on base + r)."""
-    for _ in range(50):
-        base = free_port()
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", base + 1))
-            except OSError:
-                continue
-        return base
-    raise RuntimeError("no two adjacent free ports")
 
 
 def tp_worker(
