@@ -301,7 +301,8 @@ class MisattributesFanIn(Wrapper):
 
 
 class BlocksOnBacklog(Wrapper):
-    """Blocks 0.6 s in send once 5000 sends are made without the sender polling."""
+    """Blocks 0.3 s in each send once 5000 are made without the sender polling (five of them,
+    to keep the test short: a real blocking transport would go on blocking)."""
 
     def __init__(self, inner: LoopbackTransport, group: BrokenGroup) -> None:
         super().__init__(inner, group)
@@ -309,8 +310,8 @@ class BlocksOnBacklog(Wrapper):
 
     def send(self, peer: PeerId, payload: bytes) -> None:
         self.unpolled += 1
-        if self.unpolled == 5000:
-            time.sleep(0.6)
+        if 5000 <= self.unpolled < 5005:
+            time.sleep(0.3)
         self.inner.send(peer, payload)
 
     def poll(self) -> Sequence[TransportEvent]:

@@ -107,6 +107,9 @@ class WallClockLoopback(RealTimeGroup):
         return self.eps[index].read_block(region, block, layout=layout)
 
     def kill(self, index: int) -> None:
+        # Catch the network up first: a crash at a lagging network time would be
+        # detected (network time + 50 ms) a hair before 50 ms of wall time had passed.
+        self.net.advance(max(self.net.now, time.monotonic() - self.t0))
         self.net.crash(self.eps[index].base_name)
 
     def restart(self, index: int) -> Transport:

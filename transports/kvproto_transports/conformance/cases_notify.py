@@ -348,12 +348,18 @@ def _fan_in_problems(net: Net, names: dict[int, str], per: int) -> list[str]:
     return problems
 
 
+STALLS_TOLERATED = 2
+"""T2.11: sends that may overrun the bound before it fails (process stalls, not blocking)."""
+
+
 @case(
     "T2.11",
     "Back-pressure, not blocking: 10^4 sends to a receiver that does not poll",
     Level.MUST,
-    requirement="10000 sends to a receiver that does not poll each return within "
-    "send_block_bound_s wall seconds, either accepted or refused with a TransportError; every "
+    requirement="10000 sends to a receiver that does not poll return within "
+    "send_block_bound_s wall seconds, either accepted or refused with a TransportError (at most "
+    f"{STALLS_TOLERATED} isolated sends may overrun: a loaded machine deschedules a whole process "
+    "now and then, while a transport that blocks does so on every send past its backlog); every "
     "accepted one is delivered once the receiver polls.",
     protects="A holder that blocks in send behind a slow reader stops renewing and releasing "
     "every other reader's leases; back-pressure must be an error the binding can act on.",
@@ -365,7 +371,9 @@ def back_pressure(ctx: Ctx) -> Outcome:
     accepted: list[bytes] = []
     refused: dict[str, int] = {}
     untyped: list[str] = []
+    bound = ctx.factory.send_block_bound_s
     worst = 0.0
+    overruns = 0
     for k in range(10_000):
         p = (b"%06d" % k + filler)[:size]
         t0 = time.perf_counter()
@@ -376,15 +384,16 @@ def back_pressure(ctx: Ctx) -> Outcome:
             refused[type(exc).__name__] = refused.get(type(exc).__name__, 0) + 1
         except Exception as exc:
             untyped.append(type(exc).__name__)
-        worst = max(worst, time.perf_counter() - t0)
+        took = time.perf_counter() - t0
+        worst = max(worst, took)
+        overruns += took > bound
     want = set(accepted)
     net.wait_until(lambda: want <= set(net.payloads(1)))
     missing = len(want - set(net.payloads(1)))
-    bound = ctx.factory.send_block_bound_s
     detail = (f"{len(accepted)} accepted, refused {refused or 'none'}, longest send "
-              f"{worst * 1e3:.3f} ms (bound {bound * 1e3:.0f} ms)")
+              f"{worst * 1e3:.3f} ms, {overruns} over the bound of {bound * 1e3:.0f} ms")
     problems = []
-    if worst > bound:
+    if overruns > STALLS_TOLERATED:
         problems.append("send blocked")
     if untyped:
         problems.append(f"untyped errors {sorted(set(untyped))}")
