@@ -138,5 +138,27 @@ class ReadDeclined:
     """Why the read was not started."""
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReadDeferred:
+    """Reader: do not read yet; the lease was renewed early, ask again on a later step.
+
+    The deadline bound was within ``read_margin`` only because no heartbeat was
+    acknowledged lately (a long forward step), not because the lease is known to
+    be ending: the reader sent the session's heartbeat at once. Call
+    ``begin_read`` again on a later step (it answers ``ReadGo`` once the
+    acknowledgement moved the bound, or ``ReadDeclined``); if the holder has not
+    answered by ``until`` the reader fails the request itself
+    (``RequestFailed(DEADLINE_TOO_CLOSE)``), exactly as an immediate decline would.
+    A request is deferred at most once.
+    """
+
+    until: float
+    """Local time after which retrying is pointless: without an answer by then the
+    request is failed (``now + ack_timeout`` when the read was deferred)."""
+    heartbeats: int
+    """Heartbeat frames sent early for this deferral (0 when a heartbeat of the same
+    session sent at this same instant already covers it)."""
+
+
 HolderOutput = SendFrame | FreeBlocks
 ReaderOutput = SendFrame | Connect | RequestFailed | ReadConfirmed

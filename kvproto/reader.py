@@ -17,6 +17,19 @@ Reads are fenced twice:
   from acknowledged heartbeats (relative durations, no clock sync needed) or,
   before any, from the ticket's deadline converted with the session's clock
   offset estimate;
+* but a bound can be close only because it is stale: after a long forward
+  step no heartbeat left for many seconds, though one round trip would renew
+  the lease to ``now + extension``. So when the bound is too close and the
+  lease is not known to be ending (session open, same holder incarnation,
+  ``max_hold`` not within the margin) ``begin_read`` sends the session's
+  heartbeat at once — its normal one, early: the next tick is counted from
+  it — and answers :class:`~kvproto.events.ReadDeferred` instead of
+  declining. The caller asks again on a later step: once the holder
+  acknowledged that heartbeat the decision is final (go, or decline for
+  real); without an acknowledgement by ``now + ack_timeout`` the reader fails
+  the request itself, as the immediate decline would have. One deferral per
+  request (the state table has no second one), so nothing can livelock. The
+  deferral only delays the decision; it proves nothing by itself;
 * after: the done frame rides the READ; the loaded blocks count only after the
   holder answers HELD (the lease was live when the done arrived, hence for the
   whole read). LATE, REFUSED or silence for ``ack_timeout`` fail the request
@@ -40,6 +53,7 @@ from kvproto.events import (
     FailReason,
     ReadConfirmed,
     ReadDeclined,
+    ReadDeferred,
     ReaderOutput,
     ReadGo,
     ReadOrder,
@@ -86,6 +100,8 @@ class _Part:
     ack_deadline: float = math.inf
     next_resend: float = math.inf
     resends: int = 0
+    defer_seq: int = -1
+    """Deferred read: the heartbeat seq whose acknowledgement settles it (-1: none awaited)."""
 
 
 @dataclass(slots=True)
@@ -97,6 +113,8 @@ class _Request:
     parts: dict[int, _Part]
     failed: bool = False
     confirmed: bool = False
+    defer_until: float = math.inf
+    """Deferred read: without the holder's answer by then, the request is declined."""
 
 
 @dataclass(slots=True)
@@ -106,6 +124,8 @@ class _Inflight:
     aborts: tuple[int, ...]
     final: bool = True
     """Last frame of its tick: the only one whose count and digest state the whole set."""
+    acked_at: float | None = None
+    """When its acknowledgement arrived (local clock); None while unanswered."""
 
 
 @dataclass(slots=True)
@@ -120,6 +140,10 @@ class _Session:
     params: LeaseParams | None = None
     incarnation: int | None = None
     seq: int = 0
+    acked_seq: int = 0
+    """Highest heartbeat seq the holder acknowledged (in sync or not)."""
+    last_beat: float = -math.inf
+    """When the last heartbeat left (deferrals of one instant share it)."""
     next_beat: float = math.inf
     leases: dict[int, str] = field(default_factory=dict)
     count: int = 0
@@ -166,6 +190,7 @@ class Reader:
         self._by_peer: dict[PeerId, list[_Session]] = {}
         self._awaiting: set[tuple[str, int]] = set()
         self._by_lease: dict[tuple[str, int], str] = {}
+        self._deferred: set[str] = set()
         self._out: list[ReaderOutput] = []
 
     # ------------------------------------------------------------------ API
@@ -219,6 +244,7 @@ class Reader:
         free them now instead of waiting for the lease to lapse (vLLM #41269).
         """
         req = self._pop(request_id)
+        self._deferred.discard(request_id)
         for part in req.parts.values():
             if part.state in (ReadState.CONFIRMED, ReadState.FAILED, ReadState.FINISHED):
                 continue
@@ -234,18 +260,29 @@ class Reader:
             for r in req.parts
         )
 
-    def begin_read(self, now: float, request_id: str) -> ReadGo | ReadDeclined:
-        """Decide whether to read now. ``ReadGo`` lists one transfer per holder rank."""
+    def begin_read(self, now: float, request_id: str) -> ReadGo | ReadDeferred | ReadDeclined:
+        """Decide whether to read now. ``ReadGo`` lists one transfer per holder rank.
+
+        ``ReadDeferred``: the bound was too close only for lack of a recent
+        acknowledgement; a heartbeat left early. Call again on a later step.
+        """
         req = self._get(request_id)
         if req.failed:
             raise LocalProtocolError(f"request {request_id!r} already failed")
         if not self.ready_to_read(request_id):
             raise LocalProtocolError(f"request {request_id!r} has no open session yet")
-        bound = min(self._deadline_bound(req, rank, now) for rank in req.parts)
-        if now + self._read_margin(req) >= bound:
+        margin = self._read_margin(req)
+        close = [r for r in req.parts if now + margin >= self._deadline_bound(req, r, now)]
+        if close:
+            deferred = req.defer_until < math.inf  # once deferred, never again
+            if deferred and now < req.defer_until and not self._settled(req):
+                return ReadDeferred(until=req.defer_until, heartbeats=0)
+            if not deferred and all(self._renewable(req, r, now, margin) for r in close):
+                return self._defer(now, req, close)
             self.stats.declined += 1
             self._fail(now, req, FailReason.DEADLINE_TOO_CLOSE)
             return ReadDeclined(reason=FailReason.DEADLINE_TOO_CLOSE)
+        self._deferred.discard(request_id)
         orders = []
         for rank, part in req.parts.items():
             session = self._sessions[(req.ticket.holder_engine, rank)]
@@ -355,6 +392,10 @@ class Reader:
     def get_timer(self) -> float | None:
         """The next time :meth:`handle_timer` has work, or None."""
         times = [s.next_beat for s in self._sessions.values()]
+        for rid in self._deferred:
+            req = self._requests[rid]
+            if not self._settled(req):
+                times.append(req.defer_until)
         for rid, rank in self._awaiting:
             part = self._requests[rid].parts[rank]
             times.append(min(part.ack_deadline, part.next_resend))
@@ -385,6 +426,15 @@ class Reader:
                     now + step if part.resends < self.config.done_retries else math.inf
                 )
                 self._out.append(SendFrame(peer=session.peer, payload=part.done_frame))
+        for rid in list(self._deferred):
+            req = self._requests[rid]
+            if self._settled(req):
+                self._deferred.discard(rid)  # answered: the caller's next begin_read decides
+            elif req.defer_until <= now:
+                # The holder did not answer the early heartbeat in time: decline, as
+                # begin_read would have without the deferral.
+                self.stats.declined += 1
+                self._fail(now, req, FailReason.DEADLINE_TOO_CLOSE)
 
     def drain(self) -> list[ReaderOutput]:
         """Everything the binding must do now, in order."""
@@ -500,6 +550,9 @@ class Reader:
             self.stats.unexpected_frames += 1
             return
         self.stats.acks += 1
+        session.acked_seq = max(session.acked_seq, ack.seq)
+        if sent.acked_at is None:
+            sent.acked_at = now
         session.skew.add(SkewSample(sent=sent.sent, peer=ack.clock, received=now))
         for lease in sent.aborts:
             session.pending_aborts.pop(lease, None)
@@ -524,6 +577,7 @@ class Reader:
             return
         if ack.resync:
             session.want_full = True
+            self._resync_deferred(now, session, ack.seq)
         elif ack.seq > session.in_sync_seq:
             # Count and digest matched: when this heartbeat arrived the holder held
             # exactly our lease set, so every lease claimed by then lives at least
@@ -615,6 +669,7 @@ class Reader:
             later_count -= len(part_claims)
             later_digest = (later_digest - wire.digest(c.lease for c in part_claims)) & wire.MAX_U64
             session.seq += 1
+            session.last_beat = now
             hb = wire.Heartbeat(
                 seq=session.seq,
                 claims=part_claims,
@@ -699,6 +754,7 @@ class Reader:
         if req.failed or req.confirmed:
             return
         req.failed = True
+        self._deferred.discard(req.request_id)
         if reason in (FailReason.LEASE_LOST, FailReason.REVOKED):
             self.stats.lost += 1
         for rank, part in req.parts.items():
@@ -750,6 +806,99 @@ class Reader:
             req = self._requests[rid]
             if rank == session.rank and req.ticket.holder_engine == session.engine:
                 self._fail(now, req, reason)
+
+    def _renewable(self, req: _Request, rank: int, now: float, margin: float) -> bool:
+        """Whether one heartbeat could move this part's bound past the margin.
+
+        True unless the lease is known to be ending whatever the reader sends: a
+        ticket of another holder incarnation, a lease this session does not
+        heartbeat, the holder's max_hold cap within the margin, or a lease that
+        already lapsed by the session's own record. (LATE, REFUSED, lost or
+        revoked leases have failed the request already.)
+        """
+        session = self._sessions[(req.ticket.holder_engine, rank)]
+        params = session.params
+        return (
+            session.state is SessionState.OPEN
+            and params is not None
+            and session.incarnation == req.ticket.holder_incarnation
+            and session.leases.get(req.ticket.lease) == req.request_id
+            and margin < params.extension * (1 - self._drift)
+            and now + margin < self._hard_bound(req, session, now)
+            and not self._lapsed(req, session, params, now)
+        )
+
+    def _lapsed(self, req: _Request, session: _Session, params: LeaseParams, now: float) -> bool:
+        """The session's own record says the holder's deadline has passed.
+
+        An upper bound ``L``, the mirror of the lower one. The ticket was granted
+        before we tracked it: ``L = tracked_at + expires_in`` (plus drift). Then,
+        in send order, each heartbeat that left before ``L`` may have renewed the
+        lease: an acknowledged one arrived before its acknowledgement came back,
+        so ``L = max(L, acked_at + extension)``; an unanswered one may have
+        arrived any time, so nothing is known. A heartbeat that left at or after
+        ``L`` arrives after the lease ended, and ended leases are never revived
+        (S3) -- so the overdue heartbeat sent at the end of the long step does not
+        hide the lapse, and neither does its answer. (Frames of a session are
+        taken to arrive in order, so an acknowledgement also covers the unanswered
+        heartbeats sent before it.) Only this session is counted: if another rank
+        of this engine renewed the lease, the read is declined as before deferrals
+        existed -- an error here costs a recompute, never safety.
+        """
+        stretch = 1 + self._drift
+        lapse = req.tracked_at + req.ticket.expires_in * stretch
+        unknown = False
+        for beat in session.inflight.values():  # in send order
+            if beat.sent >= lapse:
+                break
+            if beat.acked_at is None:
+                unknown = True
+                continue
+            lapse = max(lapse, beat.acked_at + params.extension * stretch)
+            unknown = False
+        return not unknown and now >= lapse
+
+    def _defer(self, now: float, req: _Request, close: list[int]) -> ReadDeferred:
+        """Heartbeat the sessions of the ``close`` parts now; decide when they answer."""
+        sent = 0
+        for rank in close:
+            session = self._sessions[(req.ticket.holder_engine, rank)]
+            if session.last_beat < now or session.acked_seq >= session.seq:
+                before = self.stats.heartbeats_sent
+                self._beat(now, session)  # the session's normal heartbeat, early
+                sent += self.stats.heartbeats_sent - before
+            # The last frame of the beat states the whole set: its ack settles the part.
+            req.parts[rank].defer_seq = session.seq
+        for part in req.parts.values():
+            part.state = read_next(part.state, ReadInput.DEFER)
+        req.defer_until = now + self.config.ack_timeout
+        self._deferred.add(req.request_id)
+        self.stats.deferred += 1
+        return ReadDeferred(until=req.defer_until, heartbeats=sent)
+
+    def _resync_deferred(self, now: float, session: _Session, seq: int) -> None:
+        """A deferral's heartbeat was answered "resync": send the full list now, not at
+        the next tick (a lease the holder detached from a lapsed session but still
+        holds on its own deadline is re-attached by it), and wait for that answer."""
+        waiting = [
+            part
+            for rid in self._deferred
+            if (req := self._requests[rid]).ticket.holder_engine == session.engine
+            and (part := req.parts.get(session.rank)) is not None
+            and part.defer_seq == seq
+        ]
+        if not waiting:
+            return
+        self._beat(now, session)
+        for part in waiting:
+            part.defer_seq = session.seq
+
+    def _settled(self, req: _Request) -> bool:
+        """Every heartbeat a deferred read waits for has been acknowledged."""
+        return all(
+            part.defer_seq <= self._sessions[(req.ticket.holder_engine, rank)].acked_seq
+            for rank, part in req.parts.items()
+        )
 
     def _deadline_bound(self, req: _Request, rank: int, now: float) -> float:
         session = self._sessions[(req.ticket.holder_engine, rank)]

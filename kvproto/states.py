@@ -143,6 +143,10 @@ class ReadState(enum.Enum):
     """In the reader's scheduler; heartbeating, claim not yet acknowledged."""
     CLAIMED = "claimed"
     """The holder acknowledged the claim."""
+    DEFERRED = "deferred"
+    """begin_read found the deadline bound too close only for lack of a recent
+    acknowledgement: a heartbeat went out early, the decision waits for its ack
+    (at most once per request; ``ack_timeout`` at most)."""
     READING = "reading"
     """The read was issued; the done frame travels with it."""
     AWAITING_ACK = "awaiting-ack"
@@ -160,6 +164,8 @@ class ReadInput(enum.Enum):
 
     CLAIM_ACKED = "claim-acked"
     """A heartbeat acknowledgement listed the lease as held."""
+    DEFER = "defer"
+    """begin_read renewed the lease early instead of declining (once per request)."""
     BEGIN_READ = "begin-read"
     """The binding is starting the read."""
     READ_DONE = "read-done"
@@ -176,13 +182,21 @@ _R = ReadState
 _I = ReadInput
 READ_TRANSITIONS: dict[tuple[ReadState, ReadInput], ReadState] = {
     (_R.TRACKED, _I.CLAIM_ACKED): _R.CLAIMED,
+    (_R.TRACKED, _I.DEFER): _R.DEFERRED,
     (_R.TRACKED, _I.BEGIN_READ): _R.READING,
     (_R.TRACKED, _I.FAIL): _R.FAILED,
     (_R.TRACKED, _I.FINISH): _R.FINISHED,
     (_R.CLAIMED, _I.CLAIM_ACKED): _R.CLAIMED,
+    (_R.CLAIMED, _I.DEFER): _R.DEFERRED,
     (_R.CLAIMED, _I.BEGIN_READ): _R.READING,
     (_R.CLAIMED, _I.FAIL): _R.FAILED,
     (_R.CLAIMED, _I.FINISH): _R.FINISHED,
+    # No (DEFERRED, DEFER) row: one deferral per request, so a read that the early
+    # heartbeat did not save is declined, never deferred again (no livelock).
+    (_R.DEFERRED, _I.CLAIM_ACKED): _R.DEFERRED,
+    (_R.DEFERRED, _I.BEGIN_READ): _R.READING,
+    (_R.DEFERRED, _I.FAIL): _R.FAILED,
+    (_R.DEFERRED, _I.FINISH): _R.FINISHED,
     (_R.READING, _I.CLAIM_ACKED): _R.READING,
     (_R.READING, _I.READ_DONE): _R.AWAITING_ACK,
     (_R.READING, _I.ACK_HELD): _R.READING,
@@ -203,7 +217,8 @@ READ_TRANSITIONS: dict[tuple[ReadState, ReadInput], ReadState] = {
 }
 """A HELD verdict can overtake the local read-complete report (the done rides
 the transfer, the verdict a notification), hence ``(READING, ACK_HELD)``: it
-is remembered and applied at READ_DONE."""
+is remembered and applied at READ_DONE. DEFERRED has no DEFER row: a request is
+deferred at most once."""
 
 
 def read_next(state: ReadState, event: ReadInput) -> ReadState:

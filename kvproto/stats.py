@@ -86,6 +86,8 @@ class ReaderStats:
     """Requests whose reads every holder rank confirmed."""
     declined: int = 0
     """Reads not started because the lease might end first."""
+    deferred: int = 0
+    """Reads put off for one early heartbeat instead of declined (at most once a request)."""
     fenced: int = 0
     """Reads discarded because the holder could not confirm the lease (LATE or no ack)."""
     lost: int = 0

@@ -32,6 +32,7 @@ from kvproto.events import (
     FreeBlocks,
     ReadConfirmed,
     ReadDeclined,
+    ReadDeferred,
     ReadGo,
     RequestFailed,
     SendFrame,
@@ -208,12 +209,12 @@ class Net:
         duration: float = 0.0,
         *,
         lose_done: bool = False,
-    ) -> ReadGo | ReadDeclined:
+    ) -> ReadGo | ReadDeferred | ReadDeclined:
         """Begin the read now; each transfer ends ``duration`` later (done arrives then)."""
         core = self.reader(reader)
         result = core.begin_read(self.local(reader), request_id)
         self.collect()
-        if isinstance(result, ReadDeclined):
+        if isinstance(result, (ReadDeclined, ReadDeferred)):
             return result
         ticket = self.tickets[(reader, request_id)]
         end = self.now + duration

@@ -8,7 +8,7 @@ import pytest
 from kvproto import wire
 from kvproto.config import LeaseConfig
 from kvproto.errors import LocalProtocolError
-from kvproto.events import FailReason, ReadDeclined, ReadGo
+from kvproto.events import FailReason, ReadDeclined, ReadDeferred, ReadGo
 from kvproto.holder import Holder
 from kvproto.states import LeaseState, ReadState, SessionState
 
@@ -151,9 +151,14 @@ def test_read_declined_within_read_margin_of_known_deadline() -> None:
     assert net.holder("P0").deadline(1) == pytest.approx(40.3)  # the true one, later
     # 35 + 5 < 40.19: still safe to start now ...
     assert r.deadline_bound(35.0, "r1") > 35.0 + 5.0
-    # ... but not 0.2 s later without a fresher acknowledgement.
+    # ... but not 0.2 s later without a fresher acknowledgement: the bound is stale, not the
+    # lease, so the reader heartbeats at once and defers the decision by up to ack_timeout ...
     net.nodes["D0"].last_local = 35.2
-    assert isinstance(net.start_read("D0", "r1"), ReadDeclined)
+    assert net.start_read("D0", "r1") == ReadDeferred(until=40.2, heartbeats=1)
+    # ... and reads once the answers are in (the heartbeat sent at 35.0 already moves the bound).
+    net.run_until(35.5)
+    assert r.deadline_bound(net.local("D0"), "r1") > net.local("D0") + 5.0
+    assert isinstance(net.start_read("D0", "r1"), ReadGo)
 
 
 def test_duplicated_done_never_frees_early_with_two_consumers() -> None:
@@ -264,13 +269,27 @@ def test_random_drop_dup_reorder_never_overlaps_silently(seed: int) -> None:
     for i in range(6):
         net.run_until(i * 2.0)
         leases[f"r{i}"] = granted(net, f"r{i}")
+    deferred: list[str] = []
+
+    def read_if_unread(rid: str, duration: float) -> None:
+        r = net.reader("D0")
+        state = r.state(rid)
+        unread = all(
+            s in (ReadState.TRACKED, ReadState.CLAIMED, ReadState.DEFERRED) for s in state.values()
+        )
+        ready = unread and r.ready_to_read(rid)
+        if ready and isinstance(net.start_read("D0", rid, duration=duration), ReadDeferred):
+            deferred.append(rid)  # asked again at later steps, as a binding does
+
     for i in range(6):
         net.run_until(20.0 + i * 7.0)
-        r = net.reader("D0")
-        state = r.state(f"r{i}")
-        unread = all(s in (ReadState.TRACKED, ReadState.CLAIMED) for s in state.values())
-        if unread and r.ready_to_read(f"r{i}"):
-            net.start_read("D0", f"r{i}", duration=float(i % 3))
+        for rid in list(dict.fromkeys(deferred)):
+            read_if_unread(rid, 0.0)
+        read_if_unread(f"r{i}", float(i % 3))
+    for t in range(60, 80):
+        net.run_until(float(t))
+        for rid in list(dict.fromkeys(deferred)):
+            read_if_unread(rid, 0.0)
     net.run_until(400.0)
     net.check_no_silent_overlap()
     freed = [lease for _, lease, _ in net.freed_leases()]

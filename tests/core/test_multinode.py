@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvproto import wire
-from kvproto.events import ReadDeclined, ReadGo
+from kvproto.config import LeaseConfig
+from kvproto.events import ReadDeclined, ReadDeferred, ReadGo
 from kvproto.states import LeaseState
 from kvproto.tpmath import BlockSlice
 
@@ -165,9 +166,28 @@ def test_turn2_read_declined_near_the_deadline_with_skew() -> None:
     net.run_until(10.0)
     net.track("R", "t2", ticket)
     net.run_until(440.0)
-    net.pause("R", 476.0)  # stalled: no heartbeat pushes the deadline past 480
+    net.pause("R", 476.0)  # stalled: no heartbeat pushed the deadline past 480 yet
     net.run_until(476.0)
+    # The lease is not known to end (a heartbeat arriving before 480 renews it to 496): the
+    # reader defers instead of declining, and reads once the heartbeat is acknowledged.
     result = net.start_read("R", "t2")
+    assert isinstance(result, ReadDeferred)
+    net.run_until(476.1)
+    assert isinstance(net.start_read("R", "t2"), ReadGo)
+
+
+def test_turn2_read_declined_past_max_hold_with_skew() -> None:
+    net = Net()
+    net.add_holder("H", offset=3600.0, config=LeaseConfig(max_hold=480.0))
+    net.add_reader("R", config=LeaseConfig(max_hold=480.0))
+    net.default_faults = LinkFaults(latency=0.02)
+    ticket = net.grant("H", "turn2", ttl=480.0)
+    net.run_until(10.0)
+    net.track("R", "t2", ticket)
+    net.run_until(440.0)
+    net.pause("R", 476.0)
+    net.run_until(476.0)
+    result = net.start_read("R", "t2")  # the hard cap at 480: renewing cannot help
     assert result == ReadDeclined(reason=result.reason) and isinstance(result, ReadDeclined)
 
 
