@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import cast
 
 from kvproto.errors import LocalProtocolError
-from kvproto.events import ReadDeclined, RequestFailed
+from kvproto.events import ReadDeclined, ReadDeferred, RequestFailed
 from kvproto.reader import Reader
 from kvproto.tpmath import target_remote_ranks
 from kvproto.transport import TransportError
@@ -215,7 +215,9 @@ class ReaderSide:
             self._record("failed", rid, failed.reason.value + " (queued)")
 
     def start_ready_reads(self, now: float) -> bool:
-        """Issue every planned read whose holder sessions are open; whether any started."""
+        """Issue every planned read whose holder sessions are open; whether any started.
+
+        A deferred read stays planned and is tried again at every later pump."""
         assert self.endpoint is not None
         started = False
         for rid, read in list(self._reads.items()):
@@ -229,7 +231,6 @@ class ReaderSide:
                 self._resolve(now, rid, failure="not-tracked")
                 continue
             read.started = True
-            started = True
             try:
                 decision = self.endpoint.start_read(
                     now,
@@ -243,7 +244,16 @@ class ReaderSide:
                 self.counters.read_errors += 1
                 log.error("request %s: read refused: %s", rid, exc)
                 self._fail_parts(now, rid)
+                started = True
                 continue
+            if isinstance(decision, ReadDeferred):
+                # The lease was renewed early (a long step left it unheartbeated): ask
+                # again at the next pump, once the holder answered. Without an answer
+                # by ``until`` the reader fails the request itself (on_result reports it).
+                read.started = False
+                self._record("deferred", rid, f"until {decision.until:.3f}")
+                continue
+            started = True
             if isinstance(decision, ReadDeclined):
                 self._record("declined", rid, decision.reason.value)
         return started

@@ -103,9 +103,11 @@ def test_clock_skew_breaks_v4_turn2_deadlines_not_kvproto() -> None:
 
 def test_bidirectional_turn2_blocks_are_read_by_the_prefill_side() -> None:
     assert result("bidirectional", "kvproto").extra["turn2"] > 20
-    # Clients back after the 480 s TTL recompute under every 480 s policy alike.
+    # Clients back after the 480 s TTL recompute under every 480 s policy alike; kvproto
+    # saves some more: its reader heartbeats turn-2 leases from scheduler entry, and renews
+    # one whose TTL ends within the read margin (a deferred read) instead of declining it.
     kv = fig("bidirectional", "kvproto", "wasted_prefill_tokens")
-    assert kv == fig("bidirectional", "vllm-lease", "wasted_prefill_tokens")
+    assert kv <= fig("bidirectional", "vllm-lease", "wasted_prefill_tokens")
     assert fig("bidirectional", "fixed-short", "wasted_prefill_tokens") > kv
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvproto.config import LeaseConfig
-from kvproto.events import ReadDeclined, ReadGo, ReleaseReason
+from kvproto.events import ReadDeclined, ReadDeferred, ReadGo, ReleaseReason
 from kvproto.holder import Holder
 from kvproto.reader import Reader
 from kvproto_transports.binding import Endpoint, frame_tag
@@ -105,26 +105,46 @@ def test_silent_reader_loss_frees_at_last_heartbeat_plus_extension() -> None:
     assert w.freed == [(32.0, ReleaseReason.EXPIRED)]
 
 
-def test_read_declined_when_lease_too_close_to_its_end() -> None:
+def _stalled_reader(until: float) -> World:
     w = World()
     assert w.p.holder is not None and w.d.reader is not None
     ticket = w.p.holder.grant(0.0, request_id="p-1")
     w.run(1.0)
     w.d.reader.track(1.0, request_id="d-1", ticket=ticket)
     w.run(2.0)
-    # The reader stalls (no steps) until 26.5: heartbeats stopped at t=1, so the lease
-    # lapses at 1 + 20 = 21 s... the holder side keeps stepping.
+    # The reader stalls (no steps) until ``until``: heartbeats stopped at t=1, so the
+    # session's renewal ends at 1 + 20 = 21 s and the ticket's own deadline at 30 s; the
+    # holder side keeps stepping.
     t = 2.0
-    while t < 26.5:
+    while t < until:
         t += 0.5
         w.net.advance(t)
         w.freed += [(t, f.reason) for f in w.p.step(t).freed]
+    return w
+
+
+def test_read_deferred_when_lease_too_close_then_read_after_the_early_heartbeat() -> None:
+    w = _stalled_reader(26.5)
+    # The claim acknowledged at 1 s carried ~29 s left: 26.5 + 5 is too close, but the lease
+    # is live, so the reader heartbeats at once instead of declining ...
     decision = w.d.start_read(26.5, "d-1", local_blocks=[0], remote_blocks=[0])
-    assert isinstance(decision, ReadDeclined)
+    assert isinstance(decision, ReadDeferred) and decision.until == 26.5 + 5.0
+    w.run(26.6)
+    # ... the holder renewed the lease at its step, and the read goes and is confirmed.
+    go = w.d.start_read(26.6, "d-1", local_blocks=[0], remote_blocks=[0])
+    assert isinstance(go, ReadGo)
     w.run(27.0)
-    # The ticket's lease (30 s from grant) had not lapsed at the holder, since the claim
-    # acknowledged at 1 s carried ~29 s left; the reader judged 26.5 + 5 too close and aborted.
-    assert [reason for _, reason in w.freed] == [ReleaseReason.ABORTED]
+    assert [rid for _, rid in w.confirmed] == ["d-1"]
+    assert [reason for _, reason in w.freed] == [ReleaseReason.DONE]
+
+
+def test_read_declined_at_once_when_the_lease_lapsed() -> None:
+    w = _stalled_reader(32.0)
+    assert [reason for _, reason in w.freed] == [ReleaseReason.EXPIRED]  # at 30 s
+    decision = w.d.start_read(32.0, "d-1", local_blocks=[0], remote_blocks=[0])
+    assert isinstance(decision, ReadDeclined)
+    w.run(32.5)
+    assert w.failed == ["deadline-too-close"]
 
 
 def test_frame_tag_routes_native_frames_and_not_text() -> None:

@@ -38,7 +38,15 @@ from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar, runtime_checkable
 
 from kvproto.errors import LocalProtocolError
-from kvproto.events import Connect, FreeBlocks, ReadConfirmed, ReadDeclined, ReadGo, RequestFailed
+from kvproto.events import (
+    Connect,
+    FreeBlocks,
+    ReadConfirmed,
+    ReadDeclined,
+    ReadDeferred,
+    ReadGo,
+    RequestFailed,
+)
 from kvproto.holder import Holder
 from kvproto.reader import Reader
 from kvproto.ticket import LeaseTicket
@@ -284,7 +292,7 @@ class AsyncEndpoint:
 
     def start_read(
         self, request_id: str, *, local_blocks: Sequence[int], remote_blocks: Sequence[int]
-    ) -> ReadGo | ReadDeclined:
+    ) -> ReadGo | ReadDeferred | ReadDeclined:
         """``Endpoint.start_read`` now; the outcome comes from :meth:`wait_request`."""
         self._check()
         decision = self.endpoint.start_read(

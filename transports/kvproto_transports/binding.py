@@ -34,6 +34,7 @@ from kvproto.events import (
     HolderOutput,
     ReadConfirmed,
     ReadDeclined,
+    ReadDeferred,
     ReaderOutput,
     ReadGo,
     RequestFailed,
@@ -139,11 +140,15 @@ class Endpoint:
         *,
         local_blocks: Sequence[int],
         remote_blocks: Sequence[int],
-    ) -> ReadGo | ReadDeclined:
+    ) -> ReadGo | ReadDeferred | ReadDeclined:
         """Begin the reads of a request (one per holder rank), with the done attached.
 
         A partial prefix hit reads only the tail of ``remote_blocks``; zero
         local blocks still sends the done (the transport's notify-only read).
+        ``ReadDeferred``: nothing was read; the early heartbeat was sent here.
+        Call again at a later step (after the holder's answer, which
+        :meth:`step` applies); if it has not come by ``until`` the request
+        shows up in ``StepResult.failed`` by itself.
         """
         reader = self._need_reader()
         decision = reader.begin_read(now, request_id)

@@ -407,9 +407,12 @@ class Simulator:
                     flows.fail(self, req, reason)
             for key, rank in fx.usable:
                 req = self.reqs.get(key)
-                if req is not None and req.reader is eng and req.state is ReqState.READING:
+                # TRACKED too: a rank's read may be confirmed while another rank's is
+                # still deferred; the request is used once every rank is.
+                live = (ReqState.TRACKED, ReqState.READING)
+                if req is not None and req.reader is eng and req.state in live:
                     req.ranks_ok.add(rank)
-                    if len(req.ranks_ok) == eng.tp:
+                    if len(req.ranks_ok) == eng.tp and req.state is ReqState.READING:
                         flows.use(self, req)
             for ask in fx.asks:
                 handshake.handshake(self, eng, ask)

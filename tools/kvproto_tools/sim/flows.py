@@ -213,6 +213,8 @@ def reader_work(sim: Simulator, eng: EngineState, now: float) -> None:
         if outcome is ReadStart.STARTED:
             req.state = ReqState.READING
             sim.note(f"{eng.name} reads {req.key[:18]} from {req.hold.engine.name}")
+            if len(req.ranks_ok) == eng.tp:
+                use(sim, req)  # the ranks that read first were confirmed while one waited
         elif outcome is ReadStart.WAIT:
             still.append(req)
         sim.effects(eng)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from kvproto.config import LeaseConfig
 from kvproto.errors import LocalProtocolError, RemoteProtocolError
-from kvproto.events import ReadDeclined
+from kvproto.events import ReadDeclined, ReadDeferred
 from kvproto.holder import Holder
 from kvproto.reader import Reader
 from kvproto.ticket import LeaseTicket
@@ -61,7 +61,7 @@ class ReadStart(enum.Enum):
     STARTED = "started"
     """Reads issued."""
     WAIT = "wait"
-    """Not connected yet: try again at a later step."""
+    """Not connected yet, or deferred for an early heartbeat: try again at a later step."""
     DECLINED = "declined"
     """The reader refused to read (reported in ``Effects.failed``)."""
 
@@ -222,6 +222,8 @@ class KvprotoSide(Side):
             self.readers.append(reader)
             self.bindings.append(Endpoint(tr, holder=holder, reader=reader))
         self._lease_of: dict[str, int] = {}
+        self._reading: dict[str, set[int]] = {}
+        """Request → reader ranks whose reads started while another rank's was deferred."""
 
     @property
     def engine_id(self) -> str:
@@ -264,7 +266,13 @@ class KvprotoSide(Side):
         if not all(reader.ready_to_read(req.key) for reader in self.readers):
             return ReadStart.WAIT
         assert req.local_blocks is not None
+        # Each rank decides on its own (as vLLM's workers do): a rank whose read was
+        # deferred is asked again at later steps, the ranks that started are not.
+        started = self._reading.setdefault(req.key, set())
+        deferred = False
         for rank, binding in enumerate(self.bindings):
+            if rank in started:
+                continue
             tr = self.transports[rank]
             tr.context = req
             try:
@@ -275,10 +283,19 @@ class KvprotoSide(Side):
                 tr.context = None
             self._absorb(rank, binding.step(now))
             if isinstance(decision, ReadDeclined):
+                self._reading.pop(req.key, None)
                 return ReadStart.DECLINED
+            if isinstance(decision, ReadDeferred):
+                deferred = True
+            else:
+                started.add(rank)
+        if deferred:
+            return ReadStart.WAIT
+        self._reading.pop(req.key, None)
         return ReadStart.STARTED
 
     def finish(self, now: float, req: Req) -> None:
+        self._reading.pop(req.key, None)
         for rank, reader in enumerate(self.readers):
             try:
                 reader.finish(now, req.key)
