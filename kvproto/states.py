@@ -23,7 +23,11 @@ reads. Both directions run the same two state machines.
    token) and heartbeats every ``interval``. A heartbeat arriving at ``t``
    moves the session deadline to ``max(old, t + extension)``; a lease is live
    while ``now < max(own deadline, deadline of any session holding it)`` and
-   ``now < granted + max_hold``. Deadlines only ever move later.
+   ``now < granted + max_hold``. Deadlines only ever move later. A reader
+   starts a read only while its lower bound on the deadline is more than
+   ``read_margin`` away; a bound that is close only because no heartbeat left
+   during a long step is renewed by one early heartbeat and the decision put
+   off (DEFERRED, once, for at most ``ack_timeout``) instead of declined.
 
 4. **Done.** Each reader rank attaches a Done frame to its READ; it reaches
    the holder after the data left the holder's memory. The holder counts

@@ -18,6 +18,8 @@ from kvproto.events import (
     Connect,
     FreeBlocks,
     ReadConfirmed,
+    ReadDeclined,
+    ReadDeferred,
     ReadGo,
     ReleaseReason,
     RequestFailed,
@@ -58,6 +60,7 @@ class Tracked:
     ended: bool = False  # finished locally, failed or confirmed
     overlapped: bool = False  # a FreeBlocks for its lease came before its transfer completed
     transfers: list[Transfer] = field(default_factory=list)
+    deferred_until: float | None = None  # the one deferral's bound, once deferred
 
 
 class LeaseMachine(RuleBasedStateMachine):
@@ -184,6 +187,16 @@ class LeaseMachine(RuleBasedStateMachine):
         req.read_started = True
         result = reader.begin_read(self.now, rid)
         self.collect()
+        if isinstance(result, ReadDeferred):
+            # One deferral per request: asking again repeats it, never starts a second one,
+            # and nothing is deferred past its bound.
+            assert req.deferred_until in (None, result.until), (key, result)
+            assert self.now < result.until
+            assert result.heartbeats == 0 or req.deferred_until is None
+            req.deferred_until = result.until
+            req.read_started = False  # asked again later, as a binding does
+        elif isinstance(result, ReadDeclined) and req.deferred_until is not None:
+            assert reader.stats.declined >= 1
         return result if isinstance(result, ReadGo) else None
 
     @precondition(lambda self: self._unread())
@@ -259,6 +272,27 @@ class LeaseMachine(RuleBasedStateMachine):
     def advance(self, dt: float) -> None:
         self.now += dt
         self._timers()
+
+    @precondition(lambda self: self._unread())
+    @rule(
+        data=st.data(),
+        dt=st.sampled_from([12.0, 15.5, 17.0, 19.0, 22.0, 35.0]),
+        overdue_first=st.booleans(),
+    )
+    def stalled_read(self, data: st.DataObject, dt: float, overdue_first: bool) -> None:
+        """The readers were in a long forward step (no timers); the step ends and a read is
+        tried, with the overdue heartbeat sent first (the binding's order) or not."""
+        self.now += dt
+        self.holder.handle_timer(self.now)
+        self.collect()
+        if overdue_first:
+            for reader in self.readers.values():
+                reader.handle_timer(self.now)
+                self.collect()
+        key = data.draw(st.sampled_from(self._unread()))
+        go = self._start(key)
+        if go is not None:
+            self.requests[key].transfers = [Transfer(o.holder_rank, o.notify) for o in go.orders]
 
     @rule()
     def next_timer_exactly(self) -> None:
@@ -439,8 +473,12 @@ class LeaseMachine(RuleBasedStateMachine):
             if state is None or state.terminal:
                 continue
             reader = self.readers[peer]
-            if ReadState.FAILED in reader.state(rid).values():
+            states = reader.state(rid).values()
+            if ReadState.FAILED in states:
                 continue
+            # A deferred request is in DEFERRED until it goes, fails or finishes.
+            if req.deferred_until is not None and not req.read_started:
+                assert all(s is ReadState.DEFERRED for s in states), (peer, rid, states)
             bound = reader.deadline_bound(self.now, rid)
             assert bound <= self.holder.deadline(req.ticket.lease) + 1e-9, (peer, rid)
 
