@@ -49,6 +49,7 @@ class _Read:
     recv: Recv
     started: bool = False
     aborted: bool = False
+    deferred: bool = False
 
 
 @dataclass(slots=True)
@@ -251,7 +252,9 @@ class ReaderSide:
                 # again at the next pump, once the holder answered. Without an answer
                 # by ``until`` the reader fails the request itself (on_result reports it).
                 read.started = False
-                self._record("deferred", rid, f"until {decision.until:.3f}")
+                if not read.deferred:  # once, not at every pump it is asked again
+                    read.deferred = True
+                    self._record("deferred", rid, f"until {decision.until:.3f}")
                 continue
             started = True
             if isinstance(decision, ReadDeclined):
