@@ -56,6 +56,7 @@ PROM_COUNTERS: dict[str, str] = {
     "reader_heartbeats_sent": "Heartbeat frames sent.",
     "reader_reads_confirmed": "Reads confirmed HELD by every holder rank.",
     "reader_declined": "Reads not started because the lease might end first.",
+    "reader_deferred": "Reads put off one heartbeat round trip: the deadline bound was stale.",
     "reader_fenced": "Reads discarded because the holder answered LATE or not at all.",
     "reader_lost": "Requests failed because the holder no longer held the lease.",
     "reader_failed_recving": "Requests reported to vLLM as failed loads (recomputed).",
