@@ -29,6 +29,7 @@ TARGETS = {
     "legacy": "fuzz_legacy.py",  # stock-vLLM text frames: legacy.parse + legacy holder
     "ticket": "fuzz_ticket.py",  # kv_transfer_params: LeaseTicket.from_params + Reader
     "handshake": "fuzz_handshake.py",  # side-channel request/reply payloads
+    "metadata": "fuzz_metadata.py",  # NIXL/UCX endpoint metadata, UCX HELLO bodies
 }
 CHUNK = 250_000
 

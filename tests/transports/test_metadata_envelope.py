@@ -158,3 +158,15 @@ def test_ucx_refusals_are_pinned(blob: bytes, message: str) -> None:
     with pytest.raises(BadMetadata) as info:
         ucx_wire.decode_metadata(blob)
     assert str(info.value).startswith(message)
+
+
+def test_invalid_utf8_in_a_string_field_is_refused_not_raised() -> None:
+    # msgspec raises UnicodeDecodeError (not DecodeError) for invalid UTF-8 in a str field.
+    # Found by fuzz/fuzz_metadata.py: uncaught in decode_hello it ended the UCX engine
+    # thread, so one bad HELLO from anyone reaching the listener lost every peer.
+    bad_str = b"\xa1\xff"  # a 1-byte msgpack str holding 0xff
+    assert ucx_wire.decode_hello(b"\x92" + bad_str + b"\xa1a") is None
+    assert ucx_wire.decode_hello(b"\x9c" + b"\xab" * 24 + b"\n") is None  # the fuzzer's input
+    for module in (nixl_wire, ucx_wire):
+        with pytest.raises(BadMetadata, match=r"not .* endpoint metadata"):
+            module.decode_metadata(b"\x81\xa4kind" + bad_str)  # {"kind": <0xff>}

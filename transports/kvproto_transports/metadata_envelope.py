@@ -88,7 +88,9 @@ def decode_envelope(
     """
     try:
         meta = decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        # msgspec raises UnicodeDecodeError (not DecodeError) for invalid UTF-8 in a str
+        # field; ValidationError is a DecodeError.
         raise BadMetadata(f"not {label} endpoint metadata: {exc}") from exc
     if meta.kind != kind:
         raise BadMetadata(f"metadata is for transport {meta.kind!r}, not {kind!r}")

@@ -141,5 +141,7 @@ def decode_hello(body: bytes) -> Hello | None:
     """A HELLO body, or None if it does not decode."""
     try:
         return _hello_decoder.decode(body)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, UnicodeDecodeError):
+        # Invalid UTF-8 in a str field is a UnicodeDecodeError, not a DecodeError: left
+        # uncaught it ended the UCX engine thread on one bad HELLO (found by fuzz_metadata).
         return None
