@@ -234,8 +234,12 @@ class Reader:
             if session in restarted:
                 continue
             self._attach(session, req)
-            if session.next_beat == math.inf and session.state is SessionState.OPEN:
-                session.next_beat = now + self._interval(session)
+            if session.state is SessionState.OPEN:
+                # The claim leaves at the binding's next pump, not at the next tick:
+                # until the holder has it the lease is not tied to this reader, so the
+                # reader's death would free it only by expiry. Tracks of one engine
+                # step still share one heartbeat; the tick is counted from it.
+                session.next_beat = now
 
     def finish(self, now: float, request_id: str) -> None:
         """The request left the scheduler (finished, aborted, rejected): stop tracking it.
