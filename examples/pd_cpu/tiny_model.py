@@ -1,0 +1,113 @@
+"""Build a tiny Llama checkpoint on disk with no hub access.
+
+vLLM needs a real model directory (config.json, weights, tokenizer files); the
+machines that run these tests reach no model hub, so the model is made here:
+a byte-level BPE tokenizer trained on a few sentences and a randomly
+initialised ``LlamaForCausalLM`` small enough to load in about a second.
+
+Shape constraints come from vLLM's CPU attention backend: head_dim must be at
+least 32 (hidden 64 / 2 heads = 32) and the KV block size a multiple of 32.
+The weights are random but seeded, so greedy output is deterministic and a
+disaggregated run can be compared token for token with a plain run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+#: Sentences the tokenizer is trained on; prompts built from them tokenize
+#: into many short tokens, which gives prompts that span several KV blocks.
+CORPUS: tuple[str, ...] = (
+    "The quick brown fox jumps over the lazy dog.",
+    "Prefill computes the prompt once; decode reads its KV blocks.",
+    "A lease keeps blocks alive exactly as long as a reader needs them.",
+    "Heartbeats renew the lease while the request waits in the queue.",
+    "When the reader is gone the holder frees the blocks and moves on.",
+    "Transfers move key and value caches between two engines.",
+    "Every token attends to all the tokens that came before it.",
+    "Small models make fast tests and tests should be fast and honest.",
+)
+
+#: Model geometry; see module docstring for why these numbers.
+HIDDEN_SIZE = 64
+NUM_LAYERS = 2
+NUM_HEADS = 2
+VOCAB_SIZE = 1000
+MAX_POSITIONS = 2048
+SEED = 1234
+
+#: Plain "role: content" lines, then "assistant:" when a reply is wanted.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def build_tiny_llama(out_dir: Path, *, seed: int = SEED) -> Path:
+    """Write tokenizer + random Llama weights into ``out_dir`` and return it.
+
+    Imports are local so that merely importing this module (e.g. during test
+    collection) does not pull in torch/transformers when vLLM is absent.
+    """
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    special = ["<unk>", "<s>", "</s>"]
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=special,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(list(CORPUS) * 4, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=bpe,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        model_max_length=MAX_POSITIONS,
+    )
+    # The corpus is too small to learn VOCAB_SIZE merges; pad the vocabulary
+    # so that every id the random model can emit decodes to some token.
+    missing = VOCAB_SIZE - len(tokenizer)
+    if missing > 0:
+        tokenizer.add_tokens([f"<x{i}>" for i in range(missing)])
+    # /v1/chat/completions needs a template; transformers has no default one.
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(out_dir)
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=HIDDEN_SIZE,
+        intermediate_size=4 * HIDDEN_SIZE,
+        num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=NUM_HEADS,
+        num_key_value_heads=NUM_HEADS,
+        max_position_embeddings=MAX_POSITIONS,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id,
+        dtype="float32",
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config)  # type: ignore[no-untyped-call]
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def make_prompt(num_sentences: int) -> str:
+    """A prompt made of ``num_sentences`` corpus sentences, cycling."""
+    return " ".join(CORPUS[i % len(CORPUS)] for i in range(num_sentences))
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(build_tiny_llama(Path(sys.argv[1])))
