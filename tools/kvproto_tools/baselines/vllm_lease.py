@@ -1,49 +1,61 @@
-"""vLLM NixlConnector lease renewal, protocol v4 (PR #41383), restated faithfully.
+"""vLLM NixlConnector lease renewal as vLLM 0.32.0 ships it, restated faithfully.
 
 This is a *comparison baseline*, not something to deploy: it keeps vLLM's
-behaviour, including its known failures (``/work/shared/anchors.md`` §1), so
-the simulator and the benchmarks can show them next to kvproto.
+behaviour, including its known failures, so the simulator and the benchmarks
+can show them next to kvproto. spec/vllm-api.md cites the vLLM 0.32.0 source
+(``vllm/distributed/kv_transfer/kv_connector/v1/nixl/``) for every rule below.
 
-What is restated, and where vLLM does it:
+What is restated, and where vLLM 0.32.0 does it:
 
 * **Holder (P worker)** — :class:`VllmLeaseHolder`, ``NixlConnectorWorker``'s
   ``_reqs_to_send`` (an insertion-ordered ``dict`` of request id → deadline)
   and ``consumer_notification_counts_by_req``:
 
-  - grant: ``deadline = now + kv_lease_duration`` (or ``decoder_kv_blocks_ttl``
-    for turn-2 blocks), appended at the end of the dict;
-  - heartbeat ``HB:id1,id2``: each *known* id gets
-    ``max(old, now + kv_lease_duration * 2 // 3)`` **in place** (its position in
-    the dict does not move); unknown ids are ignored;
-  - completion ``id:n``: ``count += 1`` per notification and free when the count
-    *equals* ``n`` — raw counting, so a duplicated notification counts twice and
-    frees the blocks while another consumer may still be reading;
-  - expiry (``get_finished``, every engine step): walk the dict from its head and
-    **stop at the first live entry** (``reaper="head-stop"``, vLLM #58222): an
-    expired lease inserted after a heartbeated one stays held until that one
-    leaves. ``reaper="full-scan"`` is the corrected walk (every entry).
+  - grant: ``_reqs_to_send[id] = now + kv_lease_duration`` (or
+    ``decoder_kv_blocks_ttl`` for turn-2 blocks), an assignment
+    (``pull_worker.start_load_kv``);
+  - heartbeat ``HB:id1,id2`` (``base_worker._handle_heartbeat``): each *known*
+    id gets ``max(old, now + kv_lease_duration * 2 // 3)`` **in place** (its
+    position in the dict does not move); unknown ids are ignored;
+  - completion ``id:n`` (``pull_worker._get_new_notifs``): ``count += 1`` per
+    notification and free when the count *equals* ``n`` — raw counting, so a
+    duplicated notification counts twice and frees the blocks while another
+    consumer may still be reading; a completion for a request no longer held
+    counts ``num_notifications_after_expiry`` ("Potentially invalid KV blocks
+    ...") and is dropped;
+  - expiry (``base_worker._reap_expired_send_leases``, every engine step): a
+    **full scan** of the dict, counting ``num_kv_expired_reqs``
+    (``reaper="full-scan"``, the default). ``reaper="head-stop"`` is the walk
+    that vLLM's first lease release had (PR #41383, fixed since, vLLM #58222):
+    it stops at the first live entry, so an expired lease inserted after a
+    heartbeated one stays held until that one leaves. Only the historical
+    ``vllm-v4`` simulator policy uses it.
 
-* **Reader (D scheduler)** — :class:`VllmLeaseReader`, ``NixlConnectorScheduler``:
-  ``on_new_request`` starts tracking a request under its remote engine; one
-  **global** throttle (``now - last >= kv_lease_duration // 6``) ships the whole
+* **Reader (D scheduler)** — :class:`VllmLeaseReader`, ``NixlConnectorScheduler``
+  (``base_scheduler``): ``on_new_request`` starts tracking a request under its
+  remote engine; one **global** throttle
+  (``now - last >= kv_lease_duration // 6``) ships the whole
   ``heartbeat_by_engine`` map to the workers; tracking stops on
-  ``finished_recving`` (success or failure) and on abort.
+  ``finished_recving`` (success or failure) and on abort. A turn-2 request on
+  P is not tracked ("heartbeats are effectively disabled for Bidirectional KV
+  transfer"): D's blocks for it live for the fixed ``decoder_kv_blocks_ttl``.
 
-* **Reader (D worker)** — :func:`worker_heartbeats`, ``_send_heartbeats``: one
-  text heartbeat per remote engine to every holder rank the worker handshook
-  with; for an engine not yet handshaken the worker starts a background
-  handshake and **drops that tick's heartbeat**.
+* **Reader (D worker)** — :func:`worker_heartbeats`, ``base_worker._send_heartbeats``:
+  one text heartbeat per remote engine to every holder rank the worker
+  handshook with; for an engine not yet handshaken the worker starts a
+  background handshake and **drops that tick's heartbeat**.
 
 * Completion frames (:func:`completion_frame`) ride the READ as its
-  notification; the turn-2 read check (:func:`turn2_read_allowed`) is
-  ``now + 5 s < deadline - offset`` where v4 has no offset estimate (the
-  deadline is the holder's ``perf_counter`` value compared with the reader's
-  own); ``clock_sync=True`` models v5's handshake offset.
+  notification; the turn-2 read check (:func:`turn2_read_allowed`,
+  ``pull_worker._is_turn2_read_expired``) is ``now + 5 s < deadline - offset``,
+  ``offset`` being the handshake's clock-offset estimate
+  (``clock_sync=True``, the default; ``False`` models the first lease release,
+  which compared the holder's ``perf_counter`` deadline with the reader's own).
 
 There is no fencing: a reader uses whatever it read. Frames are parsed with
 :mod:`kvproto.legacy` (total: malformed input raises
-:class:`~kvproto.errors.RemoteProtocolError`, which vLLM lets escape from
-``get_finished()``; callers decide what that means).
+:class:`~kvproto.errors.RemoteProtocolError`, where vLLM's ``msg.rsplit`` /
+``int()`` raise out of ``get_finished()``; callers decide what that means).
 
 Sans-I/O like the kvproto core: every call takes ``now`` in the caller's clock.
 """
@@ -68,12 +80,14 @@ class VllmLeaseConfig:
     """Initial lease at grant, seconds (vLLM's default; never validated by vLLM)."""
     decoder_kv_blocks_ttl: int = 480
     """Fixed lease of bidirectional turn-2 blocks held by the decoder, seconds."""
-    reaper: Reaper = "head-stop"
-    """``"head-stop"``: vLLM's walk, stops at the first live entry; ``"full-scan"``: corrected."""
+    reaper: Reaper = "full-scan"
+    """``"full-scan"``: vLLM 0.32's reaper (every entry); ``"head-stop"``: the first release's
+    walk, which stops at the first live entry (vLLM #58222)."""
     heartbeats: bool = True
     """False models vLLM before leases: one fixed timeout, nothing renews it."""
-    clock_sync: bool = False
-    """False: v4 (turn-2 deadlines compared across unrelated clocks); True: v5 (offset applied)."""
+    clock_sync: bool = True
+    """True: vLLM 0.32 (the handshake's clock offset is applied to turn-2 deadlines);
+    False: the first lease release (deadlines compared across unrelated clocks)."""
     turn2_margin: float = 5.0
     """A turn-2 read is declined if ``now + margin >= deadline - offset`` (vLLM: 5 s)."""
 
@@ -90,7 +104,9 @@ class VllmLeaseConfig:
 
 @dataclass(slots=True)
 class VllmHolderStats:
-    """Counters of one :class:`VllmLeaseHolder` (vLLM logs most of these, exports one)."""
+    """Counters of one :class:`VllmLeaseHolder` (vLLM 0.32 exports ``expired`` and
+    ``notifications_after_expiry`` as ``vllm:nixl_num_kv_expired_reqs`` and
+    ``vllm:nixl_num_notifications_after_expiry``; it logs or ignores the rest)."""
 
     heartbeats: int = 0
     """``HB:`` frames applied."""
@@ -100,23 +116,24 @@ class VllmHolderStats:
     """Heartbeat ids not (or no longer) held: ignored."""
     completions: int = 0
     """Completion notifications counted."""
-    unrecognized: int = 0
-    """Completions for a request no longer held ("Potentially invalid KV blocks ...")."""
+    notifications_after_expiry: int = 0
+    """Completions for a request no longer held: vLLM's ``num_notifications_after_expiry``
+    ("Potentially invalid KV blocks for unrecognized request ...")."""
     released: int = 0
     """Leases freed because the completion count reached the expected count."""
     expired: int = 0
-    """Leases freed by the reaper (``vllm:nixl_num_kv_expired_reqs``)."""
+    """Leases freed by the reaper: vLLM's ``num_kv_expired_reqs``."""
     reaper_visits: int = 0
     """Dict entries the reaper looked at (its cost)."""
 
 
 class VllmLeaseHolder:
-    """One P worker's (holder rank's) lease table, as in vLLM's NixlConnectorWorker."""
+    """One P worker's (holder rank's) lease table, as in vLLM 0.32's NixlConnectorWorker."""
 
     def __init__(self, config: VllmLeaseConfig | None = None) -> None:
         self.config = config or VllmLeaseConfig()
         self.stats = VllmHolderStats()
-        # Insertion-ordered on purpose: the head-stop reaper depends on it.
+        # Insertion-ordered, as vLLM's: the historical head-stop reaper depends on it.
         self._reqs_to_send: dict[str, float] = {}
         self._counts: dict[str, int] = {}
         self._released: list[str] = []
@@ -130,9 +147,8 @@ class VllmLeaseHolder:
         the reader for turn-2 blocks.
         """
         deadline = now + (self.config.kv_lease_duration if ttl is None else ttl)
-        if request_id in self._reqs_to_send:
-            # vLLM assigns into the dict: the value changes, the position does not.
-            deadline = max(deadline, self._reqs_to_send[request_id])
+        # vLLM assigns into the dict: a re-grant's value replaces the old one, its
+        # position (which only the head-stop reaper cares about) does not move.
         self._reqs_to_send[request_id] = deadline
         return deadline
 
@@ -156,7 +172,7 @@ class VllmLeaseHolder:
             return
         request_id = frame.request_id
         if request_id not in self._reqs_to_send:
-            self.stats.unrecognized += 1
+            self.stats.notifications_after_expiry += 1
             return
         self.stats.completions += 1
         count = self._counts.get(request_id, 0) + 1
@@ -177,7 +193,7 @@ class VllmLeaseHolder:
                 request_id, expires = next(iter(self._reqs_to_send.items()))
                 self.stats.reaper_visits += 1
                 if now < expires:
-                    break  # vLLM #58222: everything behind a live head waits
+                    break  # vLLM #58222 (fixed in 0.32): everything behind a live head waits
                 self._expire(request_id)
                 done.append(request_id)
         else:
@@ -213,8 +229,8 @@ class VllmLeaseHolder:
     def next_due(self) -> float | None:
         """When :meth:`get_finished` can next change anything (for event-driven callers).
 
-        vLLM itself calls ``get_finished`` every step. With the head-stop reaper
-        only the head's deadline matters; the full scan needs the earliest one.
+        vLLM itself calls ``get_finished`` every step. The full scan needs the
+        earliest deadline; with the head-stop reaper only the head's matters.
         """
         if self._released:
             return -math.inf
@@ -305,7 +321,7 @@ def turn2_read_allowed(
 ) -> bool:
     """vLLM's turn-2 check: read only if ``now + margin < deadline - offset``.
 
-    ``deadline`` is in the holder's clock; ``offset`` is v5's estimate of
-    (holder clock - reader clock), 0 in v4.
+    ``deadline`` is in the holder's clock; ``offset`` is the handshake's estimate of
+    (holder clock - reader clock) (0 in the first lease release, which had none).
     """
     return now + margin < deadline - offset

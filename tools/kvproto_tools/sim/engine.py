@@ -246,6 +246,8 @@ class Simulator:
             eng.transports.append(tr)
             self.live_transports.append(tr)
             self.peer_owner[real.local_peer] = (eng, rank)
+        if eng.incarnation > 1:
+            self._count(eng.side)  # the dead incarnation's counters
         eng.side = self.policy.make(
             eng.transports, eng.name, eng.incarnation, f"{self.base}/{eng.name}.{eng.incarnation}"
         )
@@ -350,6 +352,8 @@ class Simulator:
         if self.crash_time is not None:
             ends = [h.ended_at if h.ended_at is not None else end for h in self.crash_holds]
             self.metrics.reclaim_s = max(ends, default=self.crash_time) - self.crash_time
+        for eng in self.engines.values():
+            self._count(eng.side)
         self.extra["events"] = self.events
         self.extra["end_s"] = round(end, 3)
         self.extra["liveness_violations"] = self.rec.liveness_count
@@ -365,6 +369,11 @@ class Simulator:
             timeline=tuple(self.timeline) if self.record_timeline else (),
             wall_s=wall,
         )
+
+    def _count(self, side: Side) -> None:
+        """Add a side's own counters (vLLM's ``nixl_num_*``) to ``extra``."""
+        for key, value in side.counters().items():
+            self.extra[key] = self.extra.get(key, 0) + value
 
     def _wake(self, eng: EngineState) -> None:
         """One step boundary of ``eng``: handshakes, frames, timers, work, oracles."""

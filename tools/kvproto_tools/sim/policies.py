@@ -1,4 +1,4 @@
-"""The four policies compared by ``kvproto simulate``."""
+"""The policies compared by ``kvproto simulate`` (four by default, one historical)."""
 
 from __future__ import annotations
 
@@ -59,7 +59,10 @@ POLICIES: dict[str, Policy] = {
             turn1_ttl=480.0,
             turn2_ttl=480.0,
             make=_vllm(
-                VllmLeaseConfig(kv_lease_duration=480, decoder_kv_blocks_ttl=480, heartbeats=False)
+                VllmLeaseConfig(
+                    kv_lease_duration=480, decoder_kv_blocks_ttl=480, heartbeats=False,
+                    clock_sync=False,
+                )
             ),
         ),
         Policy(
@@ -68,12 +71,24 @@ POLICIES: dict[str, Policy] = {
             turn1_ttl=30.0,
             turn2_ttl=30.0,
             make=_vllm(
-                VllmLeaseConfig(kv_lease_duration=30, decoder_kv_blocks_ttl=30, heartbeats=False)
+                VllmLeaseConfig(
+                    kv_lease_duration=30, decoder_kv_blocks_ttl=30, heartbeats=False,
+                    clock_sync=False,
+                )
             ),
         ),
         Policy(
+            name="vllm-v4",
+            summary="vLLM's first lease release (PR #41383): head-stopping reaper (#58222), "
+            "turn-2 deadlines across unrelated clocks",
+            turn1_ttl=30.0,
+            turn2_ttl=480.0,
+            make=_vllm(VllmLeaseConfig(reaper="head-stop", clock_sync=False)),
+        ),
+        Policy(
             name="vllm-lease",
-            summary="vLLM lease v4: text heartbeats, raw counting, head-stopping reaper",
+            summary="vLLM 0.32.0 as shipped: text heartbeats, raw counting, full-scan reaper, "
+            "clock-offset turn-2 check, no read fence",
             turn1_ttl=30.0,
             turn2_ttl=480.0,
             make=_vllm(VllmLeaseConfig()),
@@ -87,3 +102,7 @@ POLICIES: dict[str, Policy] = {
         ),
     )
 }
+
+DEFAULT_POLICIES: tuple[str, ...] = ("fixed-480", "fixed-short", "vllm-lease", "kvproto")
+"""What ``kvproto simulate`` compares with no ``--policy``: vLLM as shipped and kvproto.
+``vllm-v4`` (historical, fixed upstream) runs with ``--policy vllm-v4`` or ``all``."""

@@ -114,6 +114,15 @@ SCENARIOS: dict[str, Scenario] = {
             decode_crash=("D0", 60.0),
         ),
         Scenario(
+            name="decode-crash-reported",
+            summary="D0 killed at 60 s while requests wait; the transport reports the loss "
+            "1 s later (PEER_LOST)",
+            headline="reclaim_s",
+            queue_wait=QueueWait(kind="exp", a=10.0, b=90.0),
+            detection_delay=1.0,
+            decode_crash=("D0", 60.0),
+        ),
+        Scenario(
             name="decode-overload",
             summary="decode queues of up to 10x the 30 s lease (0-300 s)",
             headline="premature_frees",

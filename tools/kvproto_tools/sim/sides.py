@@ -8,7 +8,7 @@ collects what happened as :class:`Effects`.
 * :class:`KvprotoSide` runs the real core (:class:`kvproto.holder.Holder`,
   :class:`kvproto.reader.Reader`) through the project's binding
   (:class:`kvproto_transports.binding.Endpoint`), exactly as a deployment does.
-* :class:`VllmSide` runs the vLLM v4 restatement
+* :class:`VllmSide` runs the restatement of vLLM 0.32.0's leases
   (:mod:`kvproto_tools.baselines.vllm_lease`); with heartbeats off it is vLLM
   before leases (one fixed timeout).
 """
@@ -183,6 +183,10 @@ class Side(ABC):
         """Whether loaded blocks are used only after the holder confirmed the lease."""
         return False
 
+    def counters(self) -> dict[str, int]:
+        """The policy's own counters, summed into ``RunResult.extra`` (none by default)."""
+        return {}
+
 
 # --------------------------------------------------------------------------- kvproto
 
@@ -346,11 +350,11 @@ class KvprotoSide(Side):
             return None
 
 
-# --------------------------------------------------------------------------- vLLM v4
+# --------------------------------------------------------------------------- vLLM
 
 
 class VllmSide(Side):
-    """vLLM's lease protocol v4 (or, with heartbeats off, vLLM before leases)."""
+    """vLLM 0.32.0's leases (or, with heartbeats off, vLLM before leases)."""
 
     def __init__(
         self,
@@ -402,7 +406,7 @@ class VllmSide(Side):
                     self._read_done(rank, ev.read_id, ok=True)
                 elif isinstance(ev, ReadFailed):
                     self._read_done(rank, ev.read_id, ok=False)
-                # PeerLost: vLLM v4 does nothing with it.
+                # PeerLost: vLLM 0.32 does nothing with it (leases run out).
             holder = self.holders[rank]
             for key in holder.get_finished(now):
                 fx.freed.append((rank, key, "expired" if key in holder.last_expired else "done"))
@@ -532,6 +536,15 @@ class VllmSide(Side):
 
     def holder_deadline(self, rank: int, key: str) -> float | None:
         return self.holders[rank].deadline(key)
+
+    def counters(self) -> dict[str, int]:
+        """What vLLM 0.32 itself would have exported (``vllm:nixl_num_*``), all ranks."""
+        return {
+            "vllm_num_kv_expired_reqs": sum(h.stats.expired for h in self.holders),
+            "vllm_num_notifications_after_expiry": sum(
+                h.stats.notifications_after_expiry for h in self.holders
+            ),
+        }
 
     def peers_known(self, rank: int, engine_id: str) -> bool:
         """Whether the rank has handshaken with ``engine_id``."""
