@@ -12,6 +12,7 @@ import pytest
 
 from kvproto_tools import cli
 from kvproto_tools.sim import METRIC_KEYS, POLICIES, SCENARIOS
+from kvproto_tools.sim.policies import DEFAULT_POLICIES
 from kvproto_tools.sim.scenarios import DEFAULT_SET
 from tests.sim.test_oracles import _DoubleFreeSide, _policy
 
@@ -71,12 +72,18 @@ def test_baseline_failures_do_not_fail_the_command(capsys: pytest.CaptureFixture
     assert "S1 use after free" in capsys.readouterr().out
 
 
-def test_default_is_every_scenario_and_policy() -> None:
+def test_default_is_every_scenario_and_the_shipped_policies() -> None:
     args = cli.build_parser().parse_args(["simulate"])
-    assert cli._names(args.scenario, list(SCENARIOS), DEFAULT_SET) == list(SCENARIOS)
-    assert cli._names(args.policy, list(POLICIES), list(POLICIES)) == list(POLICIES)
-    with pytest.raises(SystemExit):
-        cli._names("nope", list(SCENARIOS), DEFAULT_SET)
+    assert cli._names(args.scenario, list(SCENARIOS), DEFAULT_SET, "--scenario") == list(
+        SCENARIOS
+    )
+    policies = cli._names(args.policy, list(POLICIES), DEFAULT_POLICIES, "--policy")
+    assert policies == ["fixed-480", "fixed-short", "vllm-lease", "kvproto"]
+    # The historical release runs only when asked for.
+    assert "vllm-v4" not in policies
+    assert "vllm-v4" in cli._names("all", list(POLICIES), DEFAULT_POLICIES, "--policy")
+    with pytest.raises(cli.UsageError):
+        cli._names("nope", list(SCENARIOS), DEFAULT_SET, "--scenario")
 
 
 def test_delegation(capsys: pytest.CaptureFixture[str]) -> None:
@@ -94,10 +101,10 @@ def test_python_dash_m_is_the_same_command() -> None:
 
 @pytest.mark.slow
 def test_the_readme_command_runs_everything() -> None:
-    """``kvproto simulate`` with no arguments: every scenario, every policy, one table."""
+    """``kvproto simulate`` with no arguments: every scenario, the four shipped policies."""
     out = subprocess.run([sys.executable, "-m", "kvproto_tools", "simulate"], check=True,
                          cwd=ROOT, capture_output=True, text=True).stdout
-    assert f"= {len(SCENARIOS) * len(POLICIES)} run(s)" in out
+    assert f"= {len(SCENARIOS) * len(DEFAULT_POLICIES)} run(s)" in out
     for scenario in SCENARIOS:
         assert f"{scenario} - " in out  # its conclusion line
     assert "kvproto: no oracle violation" in out

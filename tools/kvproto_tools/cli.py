@@ -1,9 +1,13 @@
 """The ``kvproto`` command: ``simulate``, ``conformance``, ``bench``.
 
-``kvproto simulate`` with no arguments runs every scenario under every policy
-once and prints the comparison table; spec/simulator.md is its manual.
-``conformance`` and ``bench`` hand their arguments to the transport
-conformance kit and the benchmarks, imported only when asked for.
+``kvproto simulate`` with no arguments runs every scenario under the four
+default policies once and prints the comparison table; spec/simulator.md is
+its manual. ``conformance`` and ``bench`` hand their arguments to the
+transport conformance kit and the benchmarks, imported only when asked for.
+
+Errors a user can make (an unknown or empty selection, an output path that
+cannot be written, a missing optional dependency) are one line on stderr and
+exit status 2, found before any work runs.
 """
 
 from __future__ import annotations
@@ -15,14 +19,43 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
+from kvproto_tools.outpaths import OutputPathError, check_output
+from kvproto_tools.sim.console import Out, make_console, progress
 from kvproto_tools.sim.engine import RunResult
-from kvproto_tools.sim.policies import POLICIES
-from kvproto_tools.sim.report import plot, print_report, write_json
+from kvproto_tools.sim.policies import DEFAULT_POLICIES, POLICIES
+from kvproto_tools.sim.report import print_report, write_json
 from kvproto_tools.sim.scenarios import DEFAULT_SET, FAULT_SCENARIOS, SCENARIOS
 from kvproto_tools.sim.sweep import plan, sweep
+
+EXTRA_OF = {"rich": "tools", "matplotlib": "tools"}
+"""Optional modules and the extra that installs them."""
+
+
+class UsageError(Exception):
+    """A mistake in the command line: printed as one line, exit status 2."""
+
+
+def version() -> str:
+    """The installed distribution's version (the source tree's when run from a checkout)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("kvproto")
+    except PackageNotFoundError:
+        import kvproto
+
+        return kvproto.__version__
+
+
+def install_hint(module: str | None) -> str:
+    """``pip install 'kvproto[EXTRA]'`` for an optional module, or a plain pip line."""
+    top = (module or "").split(".")[0]
+    extra = EXTRA_OF.get(top)
+    if extra is None:
+        return f"pip install {top}" if top else "check the installation"
+    return f"pip install 'kvproto[{extra}]' (the '{extra}' extra)"
+
 
 _DELEGATES = {
     "conformance": "kvproto_transports.conformance.cli",
@@ -33,21 +66,23 @@ FENCED_POLICY = "kvproto"
 """The policy whose violations are bugs (the others' are their known failures)."""
 
 
-def _names(value: str | None, known: Sequence[str], default: Sequence[str]) -> list[str]:
+def _names(
+    value: str | None, known: Sequence[str], default: Sequence[str], option: str
+) -> list[str]:
     if value is None:
         return list(default)
     if value == "all":
         return list(known)
-    if value == "faults" and known == list(SCENARIOS):
+    if value == "faults" and option == "--scenario":
         return list(FAULT_SCENARIOS)
     names = [v.strip() for v in value.split(",") if v.strip()]
+    choices = f"choose from {', '.join(known)} or all"
+    if not names:
+        raise UsageError(f"{option} is empty; {choices}")
     unknown = [n for n in names if n not in known]
     if unknown:
-        raise SystemExit(
-            f"kvproto simulate: unknown name(s) {', '.join(unknown)}; choose from "
-            f"{', '.join(known)} or all"
-        )
-    return names
+        raise UsageError(f"unknown {option} {', '.join(unknown)}; {choices}")
+    return list(dict.fromkeys(names))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,26 +91,31 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvproto",
         description="kvproto tools: lease simulator, transport conformance, benchmarks.",
     )
+    parser.add_argument("--version", action="version", version=f"kvproto {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sim = sub.add_parser(
         "simulate",
         help="compare lease policies in the deterministic simulator",
         description=(
             "Run the deterministic lease simulator (the real kvproto core and a restatement "
-            "of vLLM's lease v4, over the loopback transport) and compare the policies. "
-            "With no options: every scenario, every policy, seed 0."
+            "of vLLM 0.32.0's leases, over the loopback transport) and compare the policies. "
+            f"With no options: every scenario, the policies {', '.join(DEFAULT_POLICIES)}, "
+            "seed 0."
         ),
     )
     sim.add_argument("--scenario", metavar="NAME|all|faults",
                      help=f"scenario(s), comma-separated: {', '.join(SCENARIOS)}; "
                      "'faults' is every one but normal (default: all)")
     sim.add_argument("--policy", metavar="NAME|all",
-                     help=f"policy(ies), comma-separated: {', '.join(POLICIES)} (default: all)")
+                     help=f"policy(ies), comma-separated: {', '.join(POLICIES)} "
+                     f"(default: {','.join(DEFAULT_POLICIES)}; all adds the historical vllm-v4)")
     sim.add_argument("--seed", type=int, default=0, help="first seed (default 0)")
     sim.add_argument("--seeds", type=int, default=1, metavar="N",
                      help="number of seeds from --seed on (default 1)")
     sim.add_argument("--json", metavar="FILE", help='write {"runs": [...]} here')
-    sim.add_argument("--plot", metavar="FILE.png", help="plot held blocks over time per policy")
+    sim.add_argument("--plot", metavar="FILE.png",
+                     help="plot held blocks over time per policy (.png, .svg or .pdf; "
+                     "needs matplotlib)")
     sim.add_argument("--liveness", action="store_true",
                      help="also check the liveness bounds (L1-L3)")
     sim.add_argument("--trace", action="store_true",
@@ -95,7 +135,11 @@ def _delegate(module: str, argv: Sequence[str], what: str) -> int:
     try:
         mod = importlib.import_module(module)
     except ImportError as exc:
-        print(f"kvproto {what}: not available in this installation ({exc})", file=sys.stderr)
+        if exc.name and exc.name.split(".")[0] in EXTRA_OF:
+            print(f"kvproto {what}: needs {exc.name.split('.')[0]}; install it with "
+                  f"{install_hint(exc.name)}", file=sys.stderr)
+        else:
+            print(f"kvproto {what}: not available in this installation ({exc})", file=sys.stderr)
         return 2
     entry: Callable[[Sequence[str]], int | None] | None = getattr(mod, "main", None)
     if entry is None:
@@ -104,7 +148,7 @@ def _delegate(module: str, argv: Sequence[str], what: str) -> int:
     return int(entry(list(argv)) or 0)
 
 
-def _violations(console: Console, results: Sequence[RunResult], *, trace_all: bool) -> int:
+def _violations(console: Out, results: Sequence[RunResult], *, trace_all: bool) -> int:
     """Print violating runs; returns how many kvproto runs violated an oracle."""
     bad = [r for r in results if r.violations or r.liveness]
     single = len(results) == 1
@@ -139,16 +183,36 @@ def _violations(console: Console, results: Sequence[RunResult], *, trace_all: bo
     return len(fenced)
 
 
+def _check_simulate(args: argparse.Namespace) -> tuple[list[str], list[str], list[int]]:
+    """Everything a simulate command line can get wrong, before any run starts."""
+    scenarios = _names(args.scenario, list(SCENARIOS), DEFAULT_SET, "--scenario")
+    policies = _names(args.policy, list(POLICIES), DEFAULT_POLICIES, "--policy")
+    if args.seeds < 1:
+        raise UsageError(f"--seeds must be at least 1 (got {args.seeds})")
+    if args.jobs is not None and args.jobs < 1:
+        raise UsageError(f"--jobs must be at least 1 (got {args.jobs})")
+    try:
+        if args.json is not None:
+            check_output(args.json, "--json")
+        if args.plot is not None:
+            check_output(args.plot, "--plot", plot=True)
+    except OutputPathError as exc:
+        raise UsageError(str(exc)) from None
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError(f"--plot needs matplotlib; install it with "
+                             f"{install_hint('matplotlib')}") from None
+    return scenarios, policies, list(range(args.seed, args.seed + args.seeds))
+
+
 def simulate(args: argparse.Namespace) -> int:
     """``kvproto simulate``."""
+    scenarios, policies, seeds = _check_simulate(args)
     # A table of ten columns needs ~130 characters; a pipe or CI log gets that
     # width instead of rich's 80-column default.
-    console = Console() if sys.stdout.isatty() else Console(width=140)
-    scenarios = _names(args.scenario, list(SCENARIOS), DEFAULT_SET)
-    policies = _names(args.policy, list(POLICIES), list(POLICIES))
-    if args.seeds < 1 or (args.jobs is not None and args.jobs < 1):
-        raise SystemExit("kvproto simulate: --seeds and --jobs must be at least 1")
-    seeds = list(range(args.seed, args.seed + args.seeds))
+    console = make_console(width=140)
     tasks = plan(scenarios, policies, seeds, liveness=args.liveness,
                  timelines=args.plot is not None)
     jobs = args.jobs or os.cpu_count() or 1
@@ -159,11 +223,8 @@ def simulate(args: argparse.Namespace) -> int:
     )
     started = time.perf_counter()
     if len(tasks) > 1:
-        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                   TimeElapsedColumn())
-        with Progress(*columns, console=console, transient=True) as bar:
-            job = bar.add_task("runs", total=len(tasks))
-            results = sweep(tasks, jobs=jobs, progress=lambda r: bar.advance(job))
+        with progress(console, len(tasks)) as advance:
+            results = sweep(tasks, jobs=jobs, progress=lambda r: advance())
     else:
         results = sweep(tasks, jobs=1)
     wall = time.perf_counter() - started
@@ -173,6 +234,8 @@ def simulate(args: argparse.Namespace) -> int:
         write_json(results, args.json)
         console.print(f"wrote {args.json}")
     if args.plot:
+        from kvproto_tools.sim.report import plot
+
         plot(results, args.plot)
         console.print(f"wrote {args.plot}")
     console.print(f"{len(tasks)} run(s) in {wall:.1f} s.")
@@ -192,7 +255,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(args_list)
     if args.command == "simulate":
-        return simulate(args)
+        try:
+            return simulate(args)
+        except UsageError as exc:
+            print(f"kvproto simulate: {exc}", file=sys.stderr)
+            return 2
     parser.print_help()
     return 2
 

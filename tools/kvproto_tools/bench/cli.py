@@ -13,6 +13,7 @@ from rich.console import Console
 from kvproto_tools.bench import machine, scaling, suite, table
 from kvproto_tools.bench.figures import write_json
 from kvproto_tools.bench.plan import FULL, QUICK
+from kvproto_tools.outpaths import OutputPathError, check_output
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("--json", type=Path, metavar="FILE", help="write the figures as JSON")
-    parser.add_argument("--plot", type=Path, metavar="FILE.png", help="write the scaling plot")
+    parser.add_argument("--plot", type=Path, metavar="FILE.png",
+                        help="write the scaling plot (.png, .svg or .pdf)")
     parser.add_argument(
         "--quick", action="store_true", help="tiny sizes, a few seconds (smoke test)"
     )
@@ -43,6 +45,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rest[:1] == ["--"]:  # tolerate `kvproto bench -- --quick` from a REMAINDER-style wrapper
         rest = rest[1:]
     args = build_parser().parse_args(rest)
+    try:  # before the suite runs: a bad path must not cost the measurements
+        if args.json is not None:
+            check_output(args.json, "--json")
+        if args.plot is not None:
+            check_output(args.plot, "--plot", plot=True)
+            import matplotlib  # noqa: F401
+    except OutputPathError as exc:
+        print(f"kvproto bench: {exc}", file=sys.stderr)
+        return 2
+    except ImportError:
+        print("kvproto bench: --plot needs matplotlib; install it with "
+              "pip install 'kvproto[tools]' (the 'tools' extra)", file=sys.stderr)
+        return 2
     plan = QUICK if args.quick else FULL
     width = None if sys.stdout.isatty() else 180
     console = Console(width=width, highlight=False)

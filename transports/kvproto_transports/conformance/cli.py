@@ -1,19 +1,83 @@
 """``kvproto conformance --transport NAME [--strict] [--json FILE] [--junit FILE]``.
 
 Exit status: 0 when no case is FAIL, 1 when one is (a MUST failed, or a SHOULD
-under ``--strict``), 2 for usage errors such as an unknown transport.
+under ``--strict``), 2 for usage errors: an unknown transport, a ``--case``
+that selects nothing, an output path that cannot be written, or a transport
+that cannot start here (its library is missing). Each is one line on stderr,
+found before any case runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
-from kvproto_transports.conformance.discovery import UnknownTransport, available
+from kvproto_transports.conformance.discovery import UnknownTransport, available, load_factory
+from kvproto_transports.conformance.factory import TransportFactory
 from kvproto_transports.conformance.registry import all_cases
 from kvproto_transports.conformance.report import print_table, write_json, write_junit
-from kvproto_transports.conformance.runner import run_conformance
+from kvproto_transports.conformance.runner import run_conformance, select
+
+INSTALL = {
+    "nixl": "pip install 'kvproto[nixl]' (NIXL: nixl-cu12)",
+    "ucx": "pip install 'kvproto[ucx]' (UCX: ucxx-cu12)",
+}
+"""How to install the library behind each built-in transport."""
+
+
+class _Usage(Exception):
+    """One line for stderr; exit status 2."""
+
+
+def _check_output(path: str, option: str) -> None:
+    p = Path(path)
+    if p.is_dir():
+        raise _Usage(f"{option} {p}: is a directory, not a file")
+    if not p.parent.is_dir():
+        raise _Usage(f"{option} {p}: directory {p.parent} does not exist")
+    if not os.access(p.parent, os.W_OK | os.X_OK):
+        raise _Usage(f"{option} {p}: directory {p.parent} is not writable")
+    if p.exists() and not os.access(p, os.W_OK):
+        raise _Usage(f"{option} {p}: file exists and is not writable")
+
+
+def _check_cases(only: Sequence[str] | None) -> None:
+    if only is None:
+        return
+    cases = all_cases()
+    empty = [w for w in only if not w.strip()]
+    if empty:
+        raise _Usage("--case is empty; kvproto conformance --list shows the case ids")
+    unknown = [w for w in only if not select(cases, [w])]
+    if unknown:
+        raise _Usage(f"--case {', '.join(unknown)} matches no case; kvproto conformance "
+                     "--list shows the case ids (T2.1) and groups (T2)")
+
+
+def _preflight(name: str) -> TransportFactory:
+    """Load the transport and start one endpoint, so a missing library is one line."""
+    try:
+        factory = load_factory(name)
+    except UnknownTransport as exc:
+        raise _Usage(str(exc)) from None
+    try:
+        factory.create_group(1).close()
+    except ImportError as exc:
+        hint = INSTALL.get(name, "install the library it needs")
+        raise _Usage(f"transport {name!r} cannot start: {_one_line(exc)}; {hint}") from None
+    except Exception as exc:
+        cause = exc.__cause__ if isinstance(exc.__cause__, ImportError) else None
+        hint = f"; {INSTALL.get(name, 'install the library it needs')}" if cause else ""
+        raise _Usage(f"transport {name!r} cannot start: {type(exc).__name__}: "
+                     f"{_one_line(exc)}{hint}") from None
+    return factory
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,14 +104,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         for c in all_cases():
             print(f"  {c.id:<6} {c.level.value:<6} {c.title}")
         return 0
-    if not args.transport:
-        print("kvproto conformance: --transport NAME is required", file=sys.stderr)
-        return 2
     try:
-        report = run_conformance(args.transport, strict=args.strict, only=args.case)
-    except UnknownTransport as exc:
+        if not args.transport:
+            raise _Usage("--transport NAME is required (kvproto conformance --list shows them)")
+        _check_cases(args.case)
+        if args.json:
+            _check_output(args.json, "--json")
+        if args.junit:
+            _check_output(args.junit, "--junit")
+        factory = _preflight(args.transport)
+    except _Usage as exc:
         print(f"kvproto conformance: {exc}", file=sys.stderr)
         return 2
+    report = run_conformance(factory, strict=args.strict, only=args.case)
     print_table(report)
     if args.json:
         write_json(report, args.json)

@@ -1,0 +1,42 @@
+"""What the report tells a reader: coinciding curves named, kvproto's premature frees explained."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvproto_tools.sim import RunResult
+from kvproto_tools.sim.report import aggregate, conclusions, curve_groups, plot
+from kvproto_tools.sim.sweep import Task, run_task
+from tests.sim.runs import result
+
+
+def _first(scenario: str, policies: tuple[str, ...]) -> dict[tuple[str, str], RunResult]:
+    return {
+        (scenario, p): run_task(Task(scenario=scenario, policy=p, seed=0, timeline=True))
+        for p in policies
+    }
+
+
+def test_coinciding_curves_share_one_labelled_line(tmp_path: Path) -> None:
+    normal = _first("normal", ("fixed-480", "vllm-lease", "kvproto"))
+    # In a healthy cluster every lease policy frees on the read's notification: one curve.
+    assert curve_groups(normal, "normal") == [["fixed-480", "vllm-lease", "kvproto"]]
+    crash = _first("decode-crash", ("fixed-480", "kvproto"))
+    # The 480 s timeout holds the dead decoder's blocks long after kvproto freed them.
+    assert curve_groups(crash, "decode-crash") == [["fixed-480"], ["kvproto"]]
+    runs = [*normal.values(), *crash.values()]
+    for name in ("held.png", "held.svg"):
+        plot(runs, tmp_path / name)
+    assert (tmp_path / "held.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert b"<svg" in (tmp_path / "held.svg").read_bytes()[:400]
+
+
+def test_kvproto_premature_frees_are_explained() -> None:
+    rows = aggregate([result("partition", "kvproto"), result("normal", "kvproto")])
+    cut = next(r for r in rows if r.scenario == "partition")
+    assert cut.values["premature_frees"]  # a cut-off reader lost its lease ...
+    assert cut.values["overlapped_reads"] == 0  # ... and did not use freed blocks
+    normal, partition = conclusions(rows)
+    assert "kvproto premature" in partition and "as designed" in partition
+    assert "fenced" in partition and "recomputed" in partition
+    assert "kvproto premature" not in normal
