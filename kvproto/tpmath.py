@@ -1,6 +1,6 @@
 """Tensor-parallel and descriptor arithmetic, as pure functions.
 
-Follows the NIXL transfer flow of vLLM's NixlConnector (seed document 004):
+Follows the NIXL transfer flow of vLLM's NixlConnector (spec/vllm-api.md §9):
 
 * KV memory is a set of *regions* (one per layer, or per layer and K/V), each
   holding ``num_blocks`` blocks of ``block_len`` bytes. A descriptor list

@@ -1,4 +1,4 @@
-"""TP and descriptor arithmetic against the seed's examples (seed 004, anchors §1)."""
+"""TP and descriptor arithmetic against vLLM 0.32.0's (spec/vllm-api.md §9)."""
 
 from __future__ import annotations
 

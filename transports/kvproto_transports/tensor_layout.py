@@ -1,4 +1,4 @@
-"""Build a :class:`~kvproto.tpmath.BlockLayout` from KV tensors (seed 004, step 1), any transport.
+"""A :class:`~kvproto.tpmath.BlockLayout` from KV tensors, any transport (spec/vllm-api.md §9.1).
 
 Two layouts exist in vLLM:
 

@@ -1,6 +1,6 @@
 """NixlTransport: the kvproto Transport protocol over a real NIXL agent.
 
-Flow (seed 004): ``register_blocks`` registers every region once and prepares
+Flow (vLLM's, spec/vllm-api.md §9): ``register_blocks`` registers every region once and prepares
 the local descriptor list ``num_regions x num_blocks``
 (``desc_id = region * num_blocks + block``); ``add_peer`` loads a peer's NIXL
 agent metadata and remembers its layout; the remote descriptor list for a
@@ -406,7 +406,7 @@ class NixlTransport:
                 f"{len(local_blocks)} local blocks for {len(remote_blocks)} remote blocks"
             )
         if not local_blocks:
-            # Full prefix hit: nothing to move, only tell the holder (seed 004).
+            # Full prefix hit: nothing to move, only tell the holder (spec/vllm-api.md §9.3).
             if notify is not None:
                 self._send(state, bytes(notify))
             read_id = self._new_read_id()
