@@ -15,13 +15,22 @@ modules; NIXL, ZMQ and the cores load when a role-specific half is built.
 vLLM builds one instance with role SCHEDULER (engine-core process) and one
 with role WORKER per worker process; each delegates to its half
 (:mod:`.scheduler`, :mod:`.worker`). Every lease decision is the core's.
+
+One code base serves vLLM 0.32 and 0.33 (spec/vllm-adapter.md, "vLLM
+versions"): hooks a version lacks are never called by it, and nothing here
+parses a version string. Sleep mode is refused (:meth:`supports_sleep_mode`;
+on a vLLM without that check, the constructor refuses it). Importing this
+module registers the class with vLLM's connector factory by name, which
+``MultiConnector`` needs to rebuild our stats from their serialized form.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 import torch
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorHandshakeMetadata,
@@ -36,7 +45,7 @@ from .config import parse_extra_config
 from .metadata import KvprotoMetadata
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from vllm.config import KVTransferConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         KVConnectorPromMetrics,
         KVConnectorStats,
@@ -66,6 +75,15 @@ class KvprotoConnector(KVConnectorBase_V1, SupportsHMA):
 
     _cache_hit_source = CacheHitSource.P2P
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        # vLLM >= 0.33 asks before building an engine with --enable-sleep-mode and
+        # refuses it ("KvprotoConnector does not support sleep mode."). Sleep drops
+        # the KV cache's contents and may remap its memory, while our transports keep
+        # it registered and peers hold leases on its blocks; unregister_kv_caches /
+        # restore_kv_caches are therefore never called on this connector.
+        return False
+
     def __init__(
         self,
         vllm_config: VllmConfig,
@@ -73,6 +91,11 @@ class KvprotoConnector(KVConnectorBase_V1, SupportsHMA):
         kv_cache_config: KVCacheConfig,
     ):
         super().__init__(vllm_config, role, kv_cache_config)
+        model = vllm_config.model_config
+        if model is not None and getattr(model, "enable_sleep_mode", False):
+            # vLLM 0.33 refuses this already (supports_sleep_mode); 0.32 has no such
+            # check and would keep the KV memory registered across a sleep.
+            raise ValueError(SLEEP_MODE_REFUSAL)
         transfer = self._kv_transfer_config
         self.adapter_config = parse_extra_config(transfer.kv_connector_extra_config)
         engine_id = transfer.engine_id
@@ -280,3 +303,26 @@ class KvprotoConnector(KVConnectorBase_V1, SupportsHMA):
                 out["tracked"] = consumer.tracked_count()
                 out["untracked"] = consumer.untracked
         return out
+
+
+SLEEP_MODE_REFUSAL = (
+    "KvprotoConnector does not support sleep mode (--enable-sleep-mode): sleep drops "
+    "the KV cache that prefill engines hold under lease and that the transport keeps "
+    "registered. Run the engine without sleep mode."
+)
+
+
+def _register_with_factory() -> None:
+    """Make ``KVConnectorFactory.get_connector_class_by_name("KvprotoConnector")`` work.
+
+    ``MultiConnector.build_kv_connector_stats`` rebuilds each child's stats by
+    class name (in the process that logs them); an out-of-tree class is not in
+    the factory's registry unless it registers itself. Idempotent."""
+    # ValueError: already registered (say, the module was reloaded).
+    with contextlib.suppress(ValueError):
+        KVConnectorFactory.register_connector(
+            KvprotoConnector.__name__, __name__, KvprotoConnector.__name__
+        )
+
+
+_register_with_factory()
