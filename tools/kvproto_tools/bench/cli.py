@@ -21,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvproto bench",
         description=(
-            "Measure kvproto beside the restated vLLM lease v4 path (and beside raw "
+            "Measure kvproto beside the restated vLLM 0.32.0 lease path (and beside raw "
             "transports) in one process; print figures, anchors and ratios."
         ),
     )
