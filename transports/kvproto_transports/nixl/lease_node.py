@@ -38,32 +38,45 @@ class LeaseNode(Node):
         self.servers: dict[str, SideChannelServer] = {}
         self.clients: dict[str, HandshakeClient] = {}
         self.holder_ports: dict[str, int] = {}
+        self.holder_hosts: dict[str, str] = {}
         self.freed: dict[str, list[tuple[float, str, str]]] = {}
         self.confirmed: dict[str, list[tuple[float, str]]] = {}
         self.failed: dict[str, list[tuple[float, str, str]]] = {}
 
-    def lease_holder(self, key: str, *, engine: str, config: dict[str, Any]) -> int:
+    def lease_holder(
+        self, key: str, *, engine: str, config: dict[str, Any], host: str = "127.0.0.1"
+    ) -> int:
         """Run a holder core (``LeaseConfig(**config)``) on ``key``; returns its side-channel port.
 
-        Its side-channel server serves rank 0 and collects introductions.
+        Its side-channel server (bound to ``host``) serves rank 0 and collects introductions.
         """
         holder = Holder(LeaseConfig(**config), engine=engine, incarnation=1)
         self.endpoints[key] = Endpoint(self.transports[key], holder=holder)
         self.bound.add(key)
         self.freed[key] = []
-        server = SideChannelServer(host="127.0.0.1", base_port=0, compat_hash=COMPAT)
+        server = SideChannelServer(host=host, base_port=0, compat_hash=COMPAT)
         server.set_metadata(0, self.transports[key].metadata())
         self.servers[key] = server
         return int(server.port)
 
     def lease_reader(
-        self, key: str, *, engine: str, config: dict[str, Any], holder_ports: dict[str, int]
+        self,
+        key: str,
+        *,
+        engine: str,
+        config: dict[str, Any],
+        holder_ports: dict[str, int],
+        holder_hosts: dict[str, str] | None = None,
     ) -> None:
-        """Run a reader core on ``key``; holders are found by engine in ``holder_ports``."""
+        """Run a reader core on ``key``; holders are found by engine in ``holder_ports``.
+
+        ``holder_hosts`` names a holder's side-channel address (default 127.0.0.1).
+        """
         reader = Reader(LeaseConfig(**config), engine=engine, incarnation=1)
         self.endpoints[key] = Endpoint(self.transports[key], reader=reader)
         self.bound.add(key)
         self.holder_ports.update(holder_ports)
+        self.holder_hosts.update(holder_hosts or {})
         self.confirmed[key] = []
         self.failed[key] = []
         self.clients[key] = HandshakeClient(
@@ -138,4 +151,5 @@ class LeaseNode(Node):
             for connect in result.connects:
                 assert client is not None
                 port = self.holder_ports[connect.engine]
-                client.submit((connect.engine, connect.rank), "127.0.0.1", port, connect.rank)
+                host = self.holder_hosts.get(connect.engine, "127.0.0.1")
+                client.submit((connect.engine, connect.rank), host, port, connect.rank)
