@@ -301,12 +301,12 @@ class _Server:
         )
 
         out: dict[str, Any] = {}
-        sched_conn: Any = getattr(self.scheduler, "connector", None)
-        if sched_conn is not None and hasattr(sched_conn, "debug_state"):
+        sched_conn = _with_debug_state(getattr(self.scheduler, "connector", None))
+        if sched_conn is not None:
             out["scheduler"] = sched_conn.debug_state()
         if has_kv_transfer_group():
-            worker_conn = get_kv_transfer_group()
-            if hasattr(worker_conn, "debug_state"):
+            worker_conn = _with_debug_state(get_kv_transfer_group())
+            if worker_conn is not None:
                 out["worker"] = worker_conn.debug_state()
         return out
 
@@ -350,9 +350,20 @@ def _worker_connector_state(_worker: Any) -> dict[str, Any]:
 
     if not has_kv_transfer_group():
         return {}
-    connector = get_kv_transfer_group()
-    state: dict[str, Any] = connector.debug_state() if hasattr(connector, "debug_state") else {}
+    connector = _with_debug_state(get_kv_transfer_group())
+    state: dict[str, Any] = connector.debug_state() if connector is not None else {}
     return state
+
+
+def _with_debug_state(connector: Any) -> Any:
+    """The connector itself, or under vLLM's MultiConnector its first child, that has
+    debug_state() (KvprotoConnector); None when there is none."""
+    if connector is None or hasattr(connector, "debug_state"):
+        return connector
+    for child in getattr(connector, "sub_connectors", ()):
+        if hasattr(child, "debug_state"):
+            return child
+    return None
 
 
 def _output_dict(o: Any, waited_s: float) -> dict[str, Any]:
