@@ -25,7 +25,7 @@ import secrets
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 
-from kvproto import legacy, wire
+from kvproto import auth, legacy, wire
 from kvproto.config import LeaseConfig
 from kvproto.errors import LocalProtocolError, RemoteProtocolError
 from kvproto.events import FreeBlocks, HolderOutput, ReleaseReason, SendFrame
@@ -33,7 +33,7 @@ from kvproto.ratelimit import ReplayWindow, TokenBucket
 from kvproto.states import LeaseInput, LeaseState, lease_next
 from kvproto.stats import HolderStats
 from kvproto.ticket import LeaseMint, LeaseTicket, claim_proof, ticket_problem
-from kvproto.tpmath import expected_consumers
+from kvproto.tpmath import expected_consumers, target_remote_ranks
 from kvproto.transport import PeerId
 from kvproto.wire import DoneVerdict, RejectReason
 
@@ -68,6 +68,7 @@ class _Lease:
         "own_deadline",
         "owner",
         "proof",
+        "reader_tp",
         "request_id",
         "sessions",
         "state",
@@ -87,6 +88,7 @@ class _Lease:
         self.owner: str | None = None
         self.proof = b""
         self.expected = 0
+        self.reader_tp = 0  # the first claimer's TP size: whose ranks' dones count
         # Both stay empty for most leases' lives; a shared empty placeholder saves
         # ~280 B per lease (a fresh set and dict each) at 100k live leases.
         self.consumers: dict[int, int] | None = None
@@ -96,25 +98,29 @@ class _Lease:
 
 class _Session:
     __slots__ = (
+        "attempt",
+        "bucket",
         "count",
         "deadline",
         "digest",
+        "down",
         "engine",
         "expected",
         "heap_due",
         "hello_nonce",
         "incarnation",
-        "key",
         "leases",
         "peer",
+        "prev_up",
         "rank",
         "serial",
         "server_nonce",
         "tp_size",
+        "up",
         "window",
     )
 
-    def __init__(self, serial: int, peer: PeerId, hello: wire.Hello, key: bytes | None) -> None:
+    def __init__(self, serial: int, peer: PeerId, hello: wire.Hello, bucket: TokenBucket) -> None:
         self.serial = serial
         self.peer = peer
         self.engine = hello.engine
@@ -122,7 +128,13 @@ class _Session:
         self.tp_size = hello.tp_size
         self.expected = 0
         self.incarnation = hello.incarnation
-        self.key = key
+        self.attempt = hello.attempt
+        # Directional session keys (kvproto.auth); the previous reader key stays
+        # valid so a done riding a READ that crossed a re-key is not lost.
+        self.up = b""
+        self.down = b""
+        self.prev_up = b""
+        self.bucket = bucket
         self.hello_nonce = hello.nonce
         self.server_nonce = b""
         self.deadline = float("-inf")
@@ -233,9 +245,32 @@ class Holder:
         self._buckets.pop(peer, None)
 
     def handle_frame(self, now: float, peer: PeerId, data: bytes) -> None:
-        """Apply one notification. Bad input is dropped and counted, never raised."""
+        """Apply one notification. Bad input is dropped and counted, never raised.
+
+        Only a frame signed with its session's key (one MAC check) or a Hello
+        whose anchor proves a ticket changes state. Authenticated frames draw on
+        their session's rate limit, everything else on the peer name's, so a
+        flood sent under a reader's name cannot starve the reader itself.
+        """
         if len(data) > self.config.max_frame_bytes:
             self.stats.oversize += 1
+            return
+        session = self._sessions.get(peer)
+        if session is not None and self._authentic(session, data):
+            if not session.bucket.take(now):
+                self.stats.rate_limited += 1
+                return
+            try:
+                msg = wire.decode(data)
+            except RemoteProtocolError:
+                self.stats.malformed += 1
+                return
+            if isinstance(msg, wire.Heartbeat):
+                self._on_heartbeat(now, session, msg)
+            elif isinstance(msg, wire.Done):
+                self._on_done(now, session, msg.claim)
+            else:
+                self.stats.unexpected_frames += 1
             return
         if not self._bucket(peer, now).take(now):
             self.stats.rate_limited += 1
@@ -243,29 +278,31 @@ class Holder:
         if not wire.is_kvproto_frame(data):
             self._handle_legacy(now, peer, data)
             return
-        session = self._sessions.get(peer)
         try:
-            msg = self._decode(data, session)
+            msg = wire.decode(data)
         except RemoteProtocolError:
             self.stats.malformed += 1
-            if session is not None and self._other_key(session, data):
-                # Signed, but not with this session's key: the reader holds another
-                # one (two of its Hellos crossed). Without an answer it would
-                # heartbeat into the void until its leases lapse; ask for a Hello.
-                self._send_plain(peer, wire.Reject(reason=RejectReason.NO_SESSION))
             return
         if isinstance(msg, wire.Hello):
+            secret = self.config.auth_secret
+            if secret is not None and not wire.verify(secret, data):
+                self.stats.bad_mac += 1
+                return
             self._on_hello(now, peer, msg)
+        elif not isinstance(msg, (wire.Heartbeat, wire.Done)):
+            self.stats.unexpected_frames += 1
         elif session is None:
             self.stats.no_session += 1
             seq = msg.seq if isinstance(msg, wire.Heartbeat) else 0
             self._send_plain(peer, wire.Reject(reason=RejectReason.NO_SESSION, seq=seq))
-        elif isinstance(msg, wire.Heartbeat):
-            self._on_heartbeat(now, session, msg)
-        elif isinstance(msg, wire.Done):
-            self._on_done(now, session, msg.claim)
         else:
-            self.stats.unexpected_frames += 1
+            # Not signed with this session's key: a forgery, or a reader that holds
+            # another key (two of its Hellos crossed). It changes nothing; the
+            # unauthenticated answer only asks for a Hello, which the reader heeds
+            # at most once an interval and only for a heartbeat it is waiting on.
+            self.stats.bad_mac += 1
+            if isinstance(msg, wire.Heartbeat) and wire.signed(data):
+                self._send_plain(peer, wire.Reject(reason=RejectReason.NO_SESSION, seq=msg.seq))
 
     def get_timer(self) -> float | None:
         """The next time :meth:`handle_timer` has work, or None."""
@@ -342,68 +379,122 @@ class Holder:
 
     # ------------------------------------------------------------ frames
 
-    def _decode(self, data: bytes, session: _Session | None) -> wire.Message:
-        secret = self.config.auth_secret
-        if secret is None:
-            return wire.decode(data)
-        if session is not None and session.key is not None:
-            try:
-                return wire.decode(data, session.key)
-            except RemoteProtocolError:
-                pass  # maybe a fresh Hello from a restarted reader, signed with the secret
-        msg = wire.decode(data, secret)
-        if not isinstance(msg, wire.Hello):
-            raise RemoteProtocolError("only Hello may be signed with the shared secret")
-        return msg
-
     @staticmethod
-    def _other_key(session: _Session, data: bytes) -> bool:
-        """``data`` carries a MAC that this session's key does not produce."""
-        if session.key is None or len(data) < wire.HEADER_LEN + wire.MAC_LEN:
-            return False
-        if data[3] != wire.FLAG_MAC:
-            return False
-        body_end = len(data) - wire.MAC_LEN
-        return not hmac.compare_digest(wire.mac(session.key, data[:body_end]), data[body_end:])
+    def _authentic(session: _Session, data: bytes) -> bool:
+        """Signed with the session's reader key (or the one before the last re-key)."""
+        if wire.verify(session.up, data):
+            return True
+        return bool(session.prev_up) and wire.verify(session.prev_up, data)
+
+    def _anchor(self, hello: wire.Hello, old: _Session | None) -> _Lease | None:
+        """The Hello's anchor lease if its proof is right and it may key this session.
+
+        A new session (or a new reader incarnation) may be keyed by any live
+        lease whose token the Hello proves (owner binding is for claims: a key
+        is as secret as the token it comes from). Re-keying a live session needs a lease
+        that session holds (if it holds any): a ticket of one's own, claimed under
+        another engine's name, cannot take over that engine's session.
+        """
+        anchor = hello.anchor
+        lease = None if anchor is None else self._leases.get(anchor.lease)
+        if anchor is None or lease is None or lease.ended:
+            return None
+        if (
+            old is not None
+            and old.incarnation == hello.incarnation
+            and old.leases
+            and lease.lease not in old.leases
+        ):
+            return None
+        proof = auth.hello_proof(
+            lease.token,
+            reader_engine=hello.engine,
+            reader_rank=hello.rank,
+            reader_tp=hello.tp_size,
+            reader_incarnation=hello.incarnation,
+            holder_rank=self.rank,
+            lease=lease.lease,
+            attempt=hello.attempt,
+            nonce=hello.nonce,
+        )
+        return lease if hmac.compare_digest(proof, anchor.proof) else None
 
     def _on_hello(self, now: float, peer: PeerId, hello: wire.Hello) -> None:
         old = self._sessions.get(peer)
-        if old is not None and old.incarnation != hello.incarnation:
+        same = (
+            old is not None
+            and old.incarnation == hello.incarnation
+            and (old.engine, old.rank, old.tp_size) == (hello.engine, hello.rank, hello.tp_size)
+        )
+        if old is not None and old.incarnation == hello.incarnation and not same:
+            self.stats.bad_hello += 1  # another reader under this incarnation's name
+            return
+        anchor = self._anchor(hello, old if same else None)
+        if anchor is None:
+            # No proof of any ticket: nothing is opened, re-keyed or ended, and
+            # nothing is answered (an answer could not be authenticated).
+            self.stats.bad_hello += 1
+            return
+        duplicate = same and old is not None and old.hello_nonce == hello.nonce
+        if (
+            same
+            and old is not None
+            and not duplicate
+            and not 0 < hello.attempt - old.attempt <= wire.MAX_HELLO_AHEAD
+        ):
+            self.stats.replayed += 1  # an older Hello of this reader, replayed
+            return
+        refusal = auth.refusal_key(anchor.token, hello.nonce, self.config.auth_secret)
+        if self.rank not in _readers_of(hello.rank, hello.tp_size, self.tp_size):
+            # This rank never reads from us: its dones could count for ranks that do.
+            self.stats.limit_refusals += 1
+            self._send_keyed(peer, refusal, wire.Reject(reason=RejectReason.WRONG_RANK))
+            return
+        if old is not None and not same:
             # The same transport name with a new incarnation: the old reader died.
             del self._sessions[peer]
             self._forget_session(now, old, lost=True)
             old = None
-        if old is None:
-            try:
-                expected = expected_consumers(self.tp_size, hello.tp_size)
-            except LocalProtocolError:
-                self.stats.limit_refusals += 1
-                self._send_plain(peer, wire.Reject(reason=RejectReason.TOO_MANY))
-                return
-            if len(self._sessions) >= self.config.max_sessions and not self._evict_idle_session():
-                self.stats.limit_refusals += 1
-                self._send_plain(peer, wire.Reject(reason=RejectReason.TOO_MANY))
-                return
-        if old is not None and old.hello_nonce == hello.nonce and old.server_nonce:
+        expected = expected_consumers(self.tp_size, hello.tp_size)
+        if old is None and (
+            len(self._sessions) >= self.config.max_sessions and not self._evict_idle_session()
+        ):
+            self.stats.limit_refusals += 1
+            self._send_keyed(peer, refusal, wire.Reject(reason=RejectReason.TOO_MANY))
+            return
+        if duplicate and old is not None and old.server_nonce:
             # The same Hello again (the transport duplicated it): answer it the same
             # way. A fresh server nonce would re-key the session behind the reader's
             # back, and every later frame of the reader would fail its MAC.
             server_nonce = old.server_nonce
         else:
             server_nonce = self._entropy(16)
-        key = None
-        if self.config.auth_secret is not None:
-            key = wire.mac(self.config.auth_secret, b"session" + hello.nonce + server_nonce)
+        up, down = auth.session_keys(
+            anchor.token,
+            reader_engine=hello.engine,
+            reader_rank=hello.rank,
+            reader_incarnation=hello.incarnation,
+            holder_engine=self.engine,
+            holder_rank=self.rank,
+            holder_incarnation=self.incarnation,
+            nonce=hello.nonce,
+            server_nonce=server_nonce,
+            secret=self.config.auth_secret,
+        )
         if old is None:
             self._serial += 1
-            session = _Session(self._serial, peer, hello, key)
+            bucket = TokenBucket(self.config.rate_limit_per_s, self.config.rate_limit_burst, now)
+            session = _Session(self._serial, peer, hello, bucket)
             session.expected = expected
             self._sessions[peer] = session
             self._by_serial[session.serial] = session
         else:
             session = old
-            session.key = key
+            if session.up != up:
+                session.prev_up = session.up
             session.hello_nonce = hello.nonce
+            session.attempt = hello.attempt
+        session.up, session.down = up, down
         session.server_nonce = server_nonce
         welcome = wire.Welcome(
             engine=self.engine,
@@ -415,14 +506,15 @@ class Holder:
             params=self.config.params,
             clock=now,
         )
-        self._out.append(
-            SendFrame(peer=peer, payload=wire.encode(welcome, self.config.auth_secret))
-        )
+        self._send_keyed(peer, down, welcome)
 
     def _on_heartbeat(self, now: float, session: _Session, hb: wire.Heartbeat) -> None:
         n_ids = len(hb.claims) + len(hb.aborts) + (len(hb.full) if hb.full is not None else 0)
         if n_ids > self.config.max_ids_per_frame:
             self.stats.limit_refusals += 1
+            return
+        if not session.window.plausible(hb.seq):
+            self.stats.implausible_seq += 1
             return
         if not session.window.accept(hb.seq):
             self.stats.replayed += 1
@@ -501,6 +593,7 @@ class Holder:
             lease.owner = session.engine
             lease.proof = proof
             lease.expected = session.expected
+            lease.reader_tp = session.tp_size
             self.stats.claims += 1
         return lease
 
@@ -534,6 +627,11 @@ class Holder:
         lease = self._check_claim(session, claim)
         if lease is None:
             verdict = DoneVerdict.REFUSED
+        elif lease.reader_tp != session.tp_size:
+            # A rank of another TP layout than the lease's consumers: it is not in
+            # the expected set, so it never counts (and its read is not vouched for).
+            self.stats.bad_rank_done += 1
+            verdict = DoneVerdict.REFUSED
         elif (
             lease.consumers is not None
             and lease.consumers.get(session.rank) == session.serial
@@ -560,7 +658,16 @@ class Holder:
                 if lease.lease in session.leases:
                     self._detach(lease, session)
             verdict = DoneVerdict.HELD
-        self._send_session(session, wire.DoneAck(lease=claim.lease, verdict=verdict))
+        proof = b""
+        if lease is not None and verdict == DoneVerdict.HELD:
+            proof = auth.verdict_proof(
+                lease.token,
+                lease=lease.lease,
+                verdict=verdict,
+                reader_engine=session.engine,
+                reader_rank=session.rank,
+            )
+        self._send_session(session, wire.DoneAck(lease=claim.lease, verdict=verdict, proof=proof))
 
     def _handle_legacy(self, now: float, peer: PeerId, data: bytes) -> None:
         if not self.config.accept_legacy:
@@ -715,10 +822,21 @@ class Holder:
             self._send_session(session, wire.Revoke(leases=[lease.lease], reason=int(reason)))
 
     def _send_session(self, session: _Session, msg: wire.Message) -> None:
-        self._out.append(SendFrame(peer=session.peer, payload=wire.encode(msg, session.key)))
+        self._out.append(SendFrame(peer=session.peer, payload=wire.encode(msg, session.down)))
+
+    def _send_keyed(self, peer: PeerId, key: bytes, msg: wire.Message) -> None:
+        self._out.append(SendFrame(peer=peer, payload=wire.encode(msg, key)))
 
     def _send_plain(self, peer: PeerId, msg: wire.Message) -> None:
         self._out.append(SendFrame(peer=peer, payload=wire.encode(msg, self.config.auth_secret)))
+
+
+def _readers_of(reader_rank: int, reader_tp: int, holder_tp: int) -> list[int]:
+    """The holder ranks ``reader_rank`` reads from; empty if the TP sizes do not divide."""
+    try:
+        return target_remote_ranks(reader_rank, reader_tp, holder_tp)
+    except LocalProtocolError:
+        return []
 
 
 def ended(outputs: Iterable[HolderOutput]) -> list[FreeBlocks]:

@@ -30,12 +30,23 @@ class ReplayWindow:
 
     The IPsec anti-replay window: the highest number seen plus a bitmap of the
     64 below it. Older numbers are refused (their changes are repeated in
-    later frames anyway, so nothing is lost).
+    later frames anyway, so nothing is lost). Once a number was accepted, one
+    more than ``AHEAD`` above it is refused as implausible: a single frame
+    could otherwise move the window so far that every later genuine frame
+    looks like a replay. (The first number is free: a reader's count runs on
+    across holder restarts.)
     """
 
     __slots__ = ("_bits", "_top")
 
     WIDTH = 64
+    AHEAD = 2**20
+    """Largest forward jump accepted: far above the frames of one split tick
+    (``max_leases_per_session`` claims fit in a few thousand frames)."""
+
+    def plausible(self, seq: int) -> bool:
+        """False if ``seq`` jumps more than ``AHEAD`` past the highest accepted."""
+        return self._top < 0 or seq - self._top <= self.AHEAD
 
     def __init__(self) -> None:
         self._top = -1

@@ -39,12 +39,13 @@ Reads are fenced twice:
 from __future__ import annotations
 
 import contextlib
+import hmac
 import math
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvproto import wire
+from kvproto import auth, wire
 from kvproto.clock import SkewEstimator, SkewSample
 from kvproto.config import LeaseConfig, LeaseParams
 from kvproto.errors import LocalProtocolError, RemoteProtocolError
@@ -136,7 +137,20 @@ class _Session:
     peer: PeerId = ""
     nonce: bytes = b""
     hello_sent: float = -math.inf
-    key: bytes | None = None
+    up: bytes = b""
+    """Session key, reader → holder (kvproto.auth); empty before a Welcome."""
+    down: bytes = b""
+    """Session key, holder → reader."""
+    prev_down: bytes = b""
+    """The key before the last re-key: acks already on their way still count."""
+    attempt: int = 0
+    """Hellos sent in this incarnation (the holder refuses older ones)."""
+    anchor_turn: int = 0
+    """Hellos since the last Welcome: unanswered retries try the next anchor."""
+    anchor_token: bytes = b""
+    """Token of the last Hello's anchor lease: keys its Welcome or refusal."""
+    unsigned_rehello: float = -math.inf
+    """When an unauthenticated "no session" last made us say Hello (once an interval)."""
     params: LeaseParams | None = None
     incarnation: int | None = None
     seq: int = 0
@@ -292,7 +306,7 @@ class Reader:
             session = self._sessions[(req.ticket.holder_engine, rank)]
             part.state = read_next(part.state, ReadInput.BEGIN_READ)
             done = wire.Done(claim=wire.Claim(lease=req.ticket.lease, proof=req.proof))
-            part.done_frame = wire.encode(done, session.key)
+            part.done_frame = wire.encode(done, session.up)
             local_slice, remote_slice = read_slices(
                 self.rank, self.tp_size, req.ticket.holder_tp_size, rank
             )
@@ -362,13 +376,17 @@ class Reader:
             self.stats.unexpected_frames += 1
             return
         session = sessions[-1]
+        authentic = bool(session.down) and (
+            wire.verify(session.down, data)
+            or (bool(session.prev_down) and wire.verify(session.prev_down, data))
+        )
         try:
-            msg = self._decode(data, session)
+            msg = wire.decode(data)
         except RemoteProtocolError:
             self.stats.malformed += 1
             return
         if isinstance(msg, wire.Welcome):
-            self._on_welcome(now, session, msg)
+            self._on_welcome(now, session, msg, data)
         elif (
             isinstance(msg, wire.Reject)
             and session.state is SessionState.HELLO_SENT
@@ -377,8 +395,19 @@ class Reader:
             # The holder refused our Hello (too many sessions, TP layouts that do not
             # fit): without this the reader re-sent Hello forever and its requests
             # waited for a read that could never start. (NO_SESSION here only answers
-            # a heartbeat sent before our Hello: we are saying Hello already.)
-            self._on_reject(now, session, msg)
+            # a heartbeat sent before our Hello: we are saying Hello already.) Only a
+            # refusal signed with our anchor's token counts: a forged one would fail
+            # every request of the session.
+            key = auth.refusal_key(session.anchor_token, session.nonce, self.config.auth_secret)
+            if session.anchor_token and wire.verify(key, data):
+                self._on_reject(now, session, msg)
+            else:
+                self.stats.bad_mac += 1
+        elif not authentic:
+            if isinstance(msg, wire.Reject) and msg.reason == wire.RejectReason.NO_SESSION:
+                self._unsigned_no_session(now, session, msg)
+            else:
+                self.stats.bad_mac += 1
         elif session.state is not SessionState.OPEN:
             self.stats.unexpected_frames += 1
         elif isinstance(msg, wire.HeartbeatAck):
@@ -411,6 +440,7 @@ class Reader:
         for session in list(self._sessions.values()):
             if session.next_beat <= now:
                 if session.state is SessionState.HELLO_SENT:
+                    self._fail_lapsed(now, session)
                     self._hello(now, session)
                 elif session.state is SessionState.OPEN:
                     self._beat(now, session)
@@ -429,7 +459,11 @@ class Reader:
                 part.next_resend = (
                     now + step if part.resends < self.config.done_retries else math.inf
                 )
-                self._out.append(SendFrame(peer=session.peer, payload=part.done_frame))
+                # Re-signed with the current key: a re-key since the read began
+                # would otherwise make every re-send fail its MAC.
+                done = wire.Done(claim=wire.Claim(lease=req.ticket.lease, proof=req.proof))
+                payload = wire.encode(done, session.up) if session.up else part.done_frame
+                self._out.append(SendFrame(peer=session.peer, payload=payload))
         for rid in list(self._deferred):
             req = self._requests[rid]
             if self._settled(req):
@@ -472,46 +506,142 @@ class Reader:
 
     # ------------------------------------------------------------ frames
 
-    def _decode(self, data: bytes, session: _Session) -> wire.Message:
-        secret = self.config.auth_secret
-        if secret is None:
-            return wire.decode(data)
-        if session.key is not None:
-            try:
-                return wire.decode(data, session.key)
-            except RemoteProtocolError:
-                pass
-        msg = wire.decode(data, secret)
-        if not isinstance(msg, (wire.Welcome, wire.Reject)):
-            raise RemoteProtocolError(
-                "only Welcome and Reject may be signed with the shared secret"
-            )
-        return msg
+    def _unsigned_no_session(self, now: float, session: _Session, msg: wire.Reject) -> None:
+        """A holder without our session cannot sign its "no session"; anyone could
+        send one. Heeded only for a heartbeat we still wait on, and at most once a
+        heartbeat interval: a forger can then cost one handshake an interval, and
+        the Welcome is followed by a heartbeat at once, so the leases stay renewed.
+        """
+        beat = session.inflight.get(msg.seq)
+        if (
+            session.state is not SessionState.OPEN
+            or beat is None
+            or beat.acked_at is not None
+            or now < session.unsigned_rehello + self._interval(session)
+        ):
+            self.stats.bad_mac += 1
+            return
+        session.unsigned_rehello = now
+        self._on_reject(now, session, msg)
+
+    def _fail_lapsed(self, now: float, session: _Session) -> None:
+        """Unwelcomed, fail the requests whose lease has lapsed by our own record.
+
+        A holder that restarted knows none of the old tokens, so it cannot sign
+        any answer to a Hello anchored on them, and an unsigned "holder
+        restarted" would let anyone fail our requests. Without a Welcome the
+        request fails once the lease is surely over (:meth:`_lapsed`): at most
+        the ticket's lease, or one extension past the last acknowledged
+        heartbeat. A newer ticket of the new incarnation, if any, keys a Welcome
+        at once and tells sooner.
+        """
+        stretch = 1 + self._drift
+        for rid in {*session.leases.values(), *session.parked}:
+            req = self._requests.get(rid)
+            if req is None or req.failed:
+                continue
+            extension = (session.params or req.ticket.params).extension * stretch
+            lapse = req.tracked_at + req.ticket.expires_in * stretch
+            for beat in session.inflight.values():  # in send order
+                if beat.sent >= lapse:
+                    break
+                # Unanswered: taken to have arrived within ack_timeout. Wrong only if
+                # the network held it longer, and then the cost is a recompute: a
+                # request failed here is never read.
+                arrived = beat.acked_at if beat.acked_at is not None else beat.sent
+                if beat.acked_at is None:
+                    arrived += self.config.ack_timeout
+                lapse = max(lapse, arrived + extension)
+            if now >= lapse:
+                self._fail(now, req, FailReason.LEASE_LOST)
+
+    def _anchor(self, session: _Session) -> _Request | None:
+        """A request whose ticket keys the next Hello; they take turns on retries.
+
+        Parked tickets on every other turn (they name an incarnation the holder
+        may have become); otherwise leases the holder acknowledged for this session
+        first (a live session is re-keyed only by a lease it holds), then the rest.
+        """
+        parked = [self._requests[rid] for rid in reversed(session.parked) if rid in self._requests]
+        acked: list[_Request] = []
+        other: list[_Request] = []
+        for rid in reversed(session.leases.values()):
+            req = self._requests.get(rid)
+            if req is None:
+                continue
+            part = req.parts.get(session.rank)
+            (acked if part is not None and part.claimed_seq < math.inf else other).append(req)
+        rest = acked + other
+        turn = session.anchor_turn
+        if parked and (not rest or turn % 2 == 0):
+            return parked[turn // 2 % len(parked) if rest else turn % len(parked)]
+        return rest[turn // 2 % len(rest) if parked else turn % len(rest)] if rest else None
 
     def _hello(self, now: float, session: _Session) -> None:
         session.nonce = self._entropy(16)
         session.hello_sent = now
+        session.attempt += 1
+        session.next_beat = now + self._interval(session)  # re-Hello if no Welcome by then
+        req = self._anchor(session)
+        session.anchor_turn += 1
+        if req is None:
+            session.anchor_token = b""
+            return  # no ticket to prove: nothing to heartbeat either
+        session.anchor_token = req.ticket.token
+        lease = req.ticket.lease
+        proof = auth.hello_proof(
+            req.ticket.token,
+            reader_engine=self.engine,
+            reader_rank=self.rank,
+            reader_tp=self.tp_size,
+            reader_incarnation=self.incarnation,
+            holder_rank=session.rank,
+            lease=lease,
+            attempt=session.attempt,
+            nonce=session.nonce,
+        )
         hello = wire.Hello(
             engine=self.engine,
             rank=self.rank,
             tp_size=self.tp_size,
             incarnation=self.incarnation,
             nonce=session.nonce,
+            attempt=session.attempt,
+            anchor=wire.Claim(lease=lease, proof=proof),
         )
         self._out.append(
             SendFrame(peer=session.peer, payload=wire.encode(hello, self.config.auth_secret))
         )
-        session.next_beat = now + self._interval(session)  # re-Hello if no Welcome by then
 
-    def _on_welcome(self, now: float, session: _Session, msg: wire.Welcome) -> None:
+    def _on_welcome(self, now: float, session: _Session, msg: wire.Welcome, data: bytes) -> None:
         if (
             session.state is not SessionState.HELLO_SENT
             or msg.nonce != session.nonce
             or msg.engine != session.engine
             or msg.rank != session.rank
+            or not session.anchor_token
         ):
             self.stats.unexpected_frames += 1
             return
+        up, down = auth.session_keys(
+            session.anchor_token,
+            reader_engine=self.engine,
+            reader_rank=self.rank,
+            reader_incarnation=self.incarnation,
+            holder_engine=msg.engine,
+            holder_rank=msg.rank,
+            holder_incarnation=msg.incarnation,
+            nonce=msg.nonce,
+            server_nonce=msg.server_nonce,
+            secret=self.config.auth_secret,
+        )
+        if not wire.verify(down, data):
+            # Only the holder of our anchor's token can sign this Welcome.
+            self.stats.bad_mac += 1
+            return
+        session.prev_down = session.down
+        session.up, session.down = up, down
+        session.anchor_turn = 0
         session.state = session_next(session.state, SessionInput.WELCOME)
         if session.incarnation is not None and session.incarnation != msg.incarnation:
             # A new holder process: its tickets are the live ones now, and its clock
@@ -521,10 +651,6 @@ class Reader:
         session.skew.add(SkewSample(sent=session.hello_sent, peer=msg.clock, received=now))
         session.params = msg.params
         session.incarnation = msg.incarnation
-        if self.config.auth_secret is not None:
-            session.key = wire.mac(
-                self.config.auth_secret, b"session" + msg.nonce + msg.server_nonce
-            )
         for lease, rid in list(session.leases.items()):
             req = self._requests.get(rid)
             if req is not None and req.ticket.holder_incarnation != msg.incarnation:
@@ -595,6 +721,18 @@ class Reader:
             self.stats.unexpected_frames += 1
             return
         if msg.verdict == wire.DoneVerdict.HELD:
+            proof = auth.verdict_proof(
+                req.ticket.token,
+                lease=msg.lease,
+                verdict=msg.verdict,
+                reader_engine=self.engine,
+                reader_rank=self.rank,
+            )
+            if not hmac.compare_digest(proof, msg.proof):
+                # Only the lease's token vouches for a read: not even a session key
+                # (learnt from another, stolen, ticket) can make us trust one.
+                self.stats.bad_mac += 1
+                return
             if part.state is ReadState.READING:
                 part.early_held = True
             elif part.state is ReadState.AWAITING_ACK:
@@ -682,7 +820,7 @@ class Reader:
                 digest=(session.digest - later_digest) & wire.MAX_U64,
                 full=full if index == 0 else None,
             )
-            payload = wire.encode(hb, session.key)
+            payload = wire.encode(hb, session.up)
             session.inflight[session.seq] = _Inflight(
                 sent=now,
                 claims=tuple(c.lease for c in part_claims),
@@ -800,7 +938,7 @@ class Reader:
         session.pending_claims.clear()
         session.pending_aborts.clear()
         session.inflight.clear()
-        session.key = None
+        session.up = session.down = session.prev_down = b""
         for rid in {*session.leases.values(), *session.parked}:
             req = self._requests.get(rid)
             if req is not None:

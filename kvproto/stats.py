@@ -51,7 +51,15 @@ class HolderStats:
     rate_limited: int = 0
     """Frames dropped by a peer's rate limit."""
     replayed: int = 0
-    """Heartbeats whose sequence number was already seen (dropped)."""
+    """Heartbeats whose sequence number was already seen, or older Hellos (dropped)."""
+    implausible_seq: int = 0
+    """Authenticated heartbeats whose seq jumps too far ahead of the last accepted (dropped)."""
+    bad_mac: int = 0
+    """Frames not signed with their session's key (forged, or a crossed key): no state change."""
+    bad_hello: int = 0
+    """Hellos without a valid anchor (no ticket proven): nothing opened, nothing answered."""
+    bad_rank_done: int = 0
+    """Done frames from a rank outside the lease's expected consumers (never counted)."""
     no_session: int = 0
     """Frames from a peer without a session (answered Reject)."""
     limit_refusals: int = 0
@@ -100,6 +108,8 @@ class ReaderStats:
     """Frames that make no sense in the current state (dropped)."""
     rejects: int = 0
     """Reject frames received."""
+    bad_mac: int = 0
+    """Frames not signed with the session's key, or a HELD without the lease's proof (dropped)."""
     resyncs: int = 0
     """Full lease lists sent on the holder's request."""
 

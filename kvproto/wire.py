@@ -12,7 +12,9 @@ Frame layout (spec/wire-format.md has the byte-by-byte version)::
   notification (``HB:...`` or ``id:n``) and vice versa.
 * ``version`` is :data:`VERSION`; a frame of another version is refused.
 * ``flags`` bit 0 says a 16-byte keyed BLAKE2b MAC over everything before it
-  follows the body. Other bits must be zero.
+  follows the body. Other bits must be zero. Every frame after a Hello is
+  signed with its session's key (:mod:`kvproto.auth`), with no configuration;
+  a Hello proves a ticket's token instead (its ``anchor``).
 * The body is a msgpack array ``[tag, field, ...]``: one of the message
   structs below, tagged by a small integer.
 
@@ -33,11 +35,14 @@ from kvproto.config import LeaseParams
 from kvproto.errors import RemoteProtocolError
 
 MAGIC = b"\x8bK"
-VERSION = 1
+VERSION = 2
+"""2: session MACs by default (Hello anchors, signed Welcome and DoneAck proofs)."""
 FLAG_MAC = 0x01
 MAC_LEN = 16
 HEADER_LEN = 4
 MAX_U64 = 2**64 - 1
+MAX_HELLO_AHEAD = 2**16
+"""Largest forward jump of a session's Hello ``attempt`` a holder accepts."""
 
 
 class Claim(msgspec.Struct, frozen=True, array_like=True):
@@ -61,7 +66,14 @@ class Hello(msgspec.Struct, frozen=True, array_like=True, tag=1):
     incarnation: int
     """Random id of this reader process's life; a restart is a new incarnation."""
     nonce: bytes
-    """16 random bytes; keys the session MAC when authentication is on."""
+    """16 random bytes; with the Welcome's, keys the session MAC."""
+    attempt: int = 0
+    """Hello number within this reader incarnation and holder rank; a replayed
+    older Hello cannot re-key the session."""
+    anchor: Claim | None = None
+    """A lease of this holder the reader tracks, with
+    :func:`~kvproto.auth.hello_proof` as proof: the token keys the session.
+    A Hello without a valid anchor opens nothing."""
 
 
 class Welcome(msgspec.Struct, frozen=True, array_like=True, tag=2):
@@ -135,6 +147,10 @@ class DoneAck(msgspec.Struct, frozen=True, array_like=True, tag=6):
     """Lease id."""
     verdict: int
     """:class:`DoneVerdict` value."""
+    proof: bytes = b""
+    """HELD only: :func:`~kvproto.auth.verdict_proof` under the lease's token
+    (16 bytes); a HELD without it is not believed. Empty for LATE and REFUSED,
+    which only make the reader recompute."""
 
 
 class Revoke(msgspec.Struct, frozen=True, array_like=True, tag=7):
@@ -177,7 +193,9 @@ class RejectReason:
     TOO_MANY = 2
     """A holder limit (sessions, leases per session) was hit."""
     BAD_MAC = 3
-    """Authentication failed."""
+    """Authentication failed (no longer sent: a frame that fails its MAC is not answered)."""
+    WRONG_RANK = 4
+    """The reader rank does not read from this holder rank (TP layouts), or they do not divide."""
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -187,6 +205,19 @@ _decoder = msgspec.msgpack.Decoder(Message)
 def mac(key: bytes, data: bytes) -> bytes:
     """16-byte keyed BLAKE2b MAC."""
     return hashlib.blake2b(data, key=key[:64], digest_size=MAC_LEN).digest()
+
+
+def signed(data: bytes) -> bool:
+    """True if ``data`` is a kvproto frame whose flags say a MAC follows."""
+    return len(data) >= HEADER_LEN + MAC_LEN and data[:2] == MAGIC and data[3] == FLAG_MAC
+
+
+def verify(key: bytes, data: bytes) -> bool:
+    """True if ``data`` is a signed frame whose MAC ``key`` produces (one BLAKE2b)."""
+    if not signed(data):
+        return False
+    body_end = len(data) - MAC_LEN
+    return hmac.compare_digest(mac(key, data[:body_end]), data[body_end:])
 
 
 def encode(msg: Message, key: bytes | None = None) -> bytes:
@@ -252,6 +283,11 @@ def _validate(msg: Message) -> None:
         _check_finite(msg.clock, *(left for _, left in msg.held))
     elif isinstance(msg, (Hello, Welcome)):
         ints = [msg.rank, msg.tp_size, msg.incarnation]
+        if isinstance(msg, Hello):
+            ints.append(msg.attempt)
+            if msg.anchor is not None:
+                ints.append(msg.anchor.lease)
+                _check_proof(msg.anchor)
         if msg.tp_size < 1 or msg.rank >= msg.tp_size:
             raise RemoteProtocolError("rank outside TP size")
         if len(msg.nonce) != 16:
@@ -267,6 +303,8 @@ def _validate(msg: Message) -> None:
                 raise RemoteProtocolError("advertised lease parameters are nonsense")
     elif isinstance(msg, DoneAck):
         ints = [msg.lease, msg.verdict]
+        if len(msg.proof) not in (0, MAC_LEN):
+            raise RemoteProtocolError("verdict proof must be empty or 16 bytes")
     elif isinstance(msg, Revoke):
         ints = [msg.reason, *msg.leases]
     else:

@@ -33,11 +33,17 @@ def _reader_claim_frames(n: int) -> tuple[list[bytes], WireReader, list[object]]
     reader.connected(0.0, engine=connect.engine, rank=connect.rank, peer=HOLDER_PEER)
     (hello,) = [o.payload for o in reader.drain() if isinstance(o, SendFrame)]
     holder.handle_frame(0.0, READER_PEER, hello)
-    for out in holder.drain():
-        assert isinstance(out, SendFrame)
-        reader.handle_frame(0.0, HOLDER_PEER, out.payload)
+    (welcome,) = [o.payload for o in holder.drain() if isinstance(o, SendFrame)]
+    reader.handle_frame(0.0, HOLDER_PEER, welcome)
     frames = [o.payload for o in reader.drain() if isinstance(o, SendFrame)]
-    return frames, WireReader(config), list(tickets)
+    # The same session as the Reader's: its anchor (the newest ticket) and nonce.
+    source = WireReader(config)
+    msg = wire.decode(hello)
+    assert isinstance(msg, wire.Hello) and msg.anchor is not None
+    assert msg.anchor.lease == tickets[-1].lease
+    assert source.hello(tickets[-1], msg.nonce) == hello
+    source.welcomed(welcome)
+    return frames, source, list(tickets)
 
 
 def test_wire_reader_claims_are_the_readers_bytes_across_a_split() -> None:
@@ -53,6 +59,8 @@ def test_wire_reader_steady_frame_is_the_readers() -> None:
     msg = wire.decode(frame)
     assert isinstance(msg, wire.Heartbeat) and not msg.claims and msg.count == 500
     source = WireReader(fx.holder.config)
+    assert fx.reader is not None
+    source.key = fx.reader._sessions[("P", 0)].up  # the Reader's session key
     source.claims(fx.tickets)
     source.seq = msg.seq - 1
     assert source.steady() == frame

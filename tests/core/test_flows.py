@@ -391,8 +391,15 @@ def test_ticket_of_a_restarted_holder_fails_holder_restarted() -> None:
     ticket = net.grant("P0", "p-r1")
     restart_holder(net)  # P restarted before D connected
     net.track("D0", "r1", ticket)
-    net.run_until(1.0)
-    assert net.failures("D0") == [(0.0, "r1", "HOLDER_RESTARTED")]
+    # The new process knows no old token: it cannot sign an answer to a Hello anchored
+    # on one (and an unsigned "restarted" would let anyone fail D's requests). D's
+    # Hellos go unanswered until the ticket's lease is surely over (30 s, drift
+    # included): the next retry, at 35, fails the request. Never read.
+    net.run_until(34.9)
+    assert net.failures("D0") == []
+    net.run_until(36.0)
+    assert net.failures("D0") == [(35.0, "r1", "LEASE_LOST")]
+    assert net.confirmed == []
 
 
 def test_holder_restart_under_an_open_session_fails_holder_restarted() -> None:
@@ -400,10 +407,16 @@ def test_holder_restart_under_an_open_session_fails_holder_restarted() -> None:
     granted(net)
     net.run_until(7.0)
     restart_holder(net)
-    net.run_until(12.0)
-    # The 10 s heartbeat gets Reject(NO_SESSION); D says Hello again; Welcome(8) tells it.
-    assert net.failures("D0") == [(10.0, "r1", "HOLDER_RESTARTED")]
-    assert net.reader("D0").session_state("P", 0) is SessionState.OPEN
+    net.run_until(39.9)
+    # The 10 s heartbeat gets Reject(NO_SESSION); D says Hello again, anchored on its
+    # only (old) ticket, which the new process cannot prove anything about: no Welcome.
+    # The lease is surely over one extension after the unanswered 10 s heartbeat could
+    # have arrived (10 + ack_timeout 5 + 20, drift included): the retry at 40 fails it.
+    assert net.failures("D0") == []
+    assert net.reader("D0").session_state("P", 0) is SessionState.HELLO_SENT
+    net.run_until(41.0)
+    assert net.failures("D0") == [(40.0, "r1", "LEASE_LOST")]
+    assert net.confirmed == []
 
 
 def restart_holder(net: Net, *, clock_offset: float = 0.0) -> None:

@@ -83,7 +83,7 @@ def mutate(frame: bytes, flips: list[tuple[int, int]], cut: int) -> bytes:
 @FUZZ
 @given(st.binary(max_size=300))
 @example(b"")
-@example(b"\x8bK\x01\x00\x96\x01\xa1\x80\x00\x01\x00\xc4\x10" + bytes(16))  # bad UTF-8 Hello
+@example(b"\x8bK\x02\x00\x96\x01\xa1\x80\x00\x01\x00\xc4\x10" + bytes(16))  # bad UTF-8 Hello
 @example(b"x:" + b"9" * 5000)
 def test_random_bytes_never_raise_or_change_state(data: bytes) -> None:
     h, r = fresh()

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kvproto import legacy, wire
+from kvproto import auth, legacy, wire
 from kvproto.config import LeaseConfig
 from kvproto.events import FreeBlocks, SendFrame
 from kvproto.holder import Holder
@@ -20,11 +20,18 @@ SECRET = b"s" * 32
 
 
 class Attacker:
-    """A second reader engine that speaks raw frames to the holder as peer ``name``."""
+    """A second reader engine that speaks raw frames to the holder as peer ``name``.
+
+    A malicious peer engine, not an off-path stranger: it holds a ticket of its own
+    (``x-own``, granted by P like any customer's), anchors its Hello on it, and signs
+    its frames with the session key that Hello earns. What it then tries against D's
+    lease is refused by the per-lease proofs and owner binding, as before.
+    """
 
     def __init__(self, net: Net, name: str = "X0", engine: str = "X", key: bytes | None = None):
         self.net, self.name, self.engine, self.key = net, name, engine, key
         self.seq = 0
+        self.attempt = 0
         self.inbox: list[wire.Message] = []
 
     def send(self, msg: wire.Message, *, key: bytes | None = None) -> None:
@@ -43,12 +50,53 @@ class Attacker:
             self.net._route(self.net.nodes["P0"], out)
         self.net.collect()
 
-    def hello(self, engine: str | None = None) -> None:
-        self.send(
-            wire.Hello(
-                engine=engine or self.engine, rank=0, tp_size=1, incarnation=66, nonce=bytes(16)
-            )
+    def hello(
+        self,
+        engine: str | None = None,
+        *,
+        anchor: LeaseTicket | None = None,
+        secret: bytes | None = None,
+    ) -> None:
+        engine = engine or self.engine
+        if anchor is None:
+            anchor = self.net.grant("P0", f"x-own-{self.name}-{self.attempt}")
+        self.attempt += 1
+        nonce = bytes(16)
+        proof = auth.hello_proof(
+            anchor.token,
+            reader_engine=engine,
+            reader_rank=0,
+            reader_tp=1,
+            reader_incarnation=66,
+            holder_rank=0,
+            lease=anchor.lease,
+            attempt=self.attempt,
+            nonce=nonce,
         )
+        hello = wire.Hello(
+            engine=engine,
+            rank=0,
+            tp_size=1,
+            incarnation=66,
+            nonce=nonce,
+            attempt=self.attempt,
+            anchor=wire.Claim(lease=anchor.lease, proof=proof),
+        )
+        self.send(hello, key=secret)
+        welcome = next((m for m in reversed(self.inbox) if isinstance(m, wire.Welcome)), None)
+        if welcome is not None and welcome.nonce == nonce:
+            self.key, _ = auth.session_keys(
+                anchor.token,
+                reader_engine=engine,
+                reader_rank=0,
+                reader_incarnation=66,
+                holder_engine=welcome.engine,
+                holder_rank=welcome.rank,
+                holder_incarnation=welcome.incarnation,
+                nonce=nonce,
+                server_nonce=welcome.server_nonce,
+                secret=secret,
+            )
 
     def heartbeat(self, *, claims=(), aborts=(), full=None) -> None:  # type: ignore[no-untyped-def]
         self.seq += 1
@@ -131,7 +179,11 @@ def test_forged_frames_for_an_unclaimed_lease_need_the_token() -> None:
     x.heartbeat(claims=[forged(ticket.lease + 100)])
     assert h.stats.unknown_lease == 1
     net.run_until(40.0)
-    assert net.freed_leases() == [(30.0, ticket.lease, "EXPIRED")]  # X renewed nothing
+    # X renewed nothing: D's lease and X's own anchor lease (never claimed) both lapse.
+    assert net.freed_leases() == [
+        (30.0, ticket.lease, "EXPIRED"),
+        (30.0, ticket.lease + 1, "EXPIRED"),
+    ]
 
 
 def test_owner_binding_first_prover_owns() -> None:
@@ -195,7 +247,7 @@ def test_frames_for_a_freed_lease_are_answered_late_and_change_nothing() -> None
 def test_oversized_frames_are_refused_and_counted() -> None:
     net, ticket = honest(LeaseConfig(max_frame_bytes=1024))
     x = Attacker(net)
-    x.raw(b"\x8bK\x01\x00" + b"\x00" * 2000)
+    x.raw(b"\x8bK\x02\x00" + b"\x00" * 2000)
     x.raw(b"HB:" + b"a" * 2000)
     h = net.holder("P0")
     assert h.stats.oversize == 2
@@ -203,7 +255,7 @@ def test_oversized_frames_are_refused_and_counted() -> None:
     x.heartbeat(claims=[forged(i) for i in range(1, 100)])  # ~2.8 kB
     assert h.stats.oversize == 3
     r = net.reader("D0")
-    r.handle_frame(net.local("D0"), "P0", b"\x8bK\x01\x00" + b"\x00" * 2000)
+    r.handle_frame(net.local("D0"), "P0", b"\x8bK\x02\x00" + b"\x00" * 2000)
     assert r.stats.unexpected_frames == 1
     honest_read_succeeds(net, ticket)
 
@@ -318,12 +370,14 @@ def test_unsigned_or_wrongly_signed_frames_are_refused(signing: str) -> None:
         for data in frames:
             h.handle_frame(net.local("P0"), peer, data)
     net.collect()
-    assert h.stats.malformed == 6
+    # The Hellos fail the secret's MAC; the rest, unsigned by any session key, is
+    # answered "no session" from the stranger and refused on D's channel.
+    assert (h.stats.bad_mac, h.stats.no_session, h.stats.bad_hello) == (4, 2, 0)
     assert snapshot(net, ticket) == before
     assert net.freed == []
     r = net.reader("D0")
     r.handle_frame(net.local("D0"), "P0", wire.encode(wire.Revoke(leases=[1], reason=4), key))
-    assert r.stats.malformed == 1
+    assert r.stats.bad_mac == 1
     assert net.failures() == []
     honest_read_succeeds(net, ticket)
 
@@ -342,9 +396,11 @@ def test_duplicated_hello_keeps_the_session_key() -> None:
     honest_read_succeeds(net, ticket, at=61.0)
 
 
-def test_crossed_hellos_resynchronise_the_session_key() -> None:
-    """D's first Hello is delayed past its retry: the holder answers the retry, then the
-    stale first Hello re-keys it. D must be told, not left heartbeating into the void."""
+def test_crossed_hellos_keep_the_session_key() -> None:
+    """D's first Hello is delayed past its retry: the holder answers the retry; the stale
+    first Hello carries an older attempt number and is refused as a replay, so it cannot
+    re-key the session behind D's back (before attempt numbers it did, and D had to be
+    told with a Reject to say Hello a third time)."""
     net = Net(LeaseConfig(auth_secret=SECRET))
     net.add_holder("P0")
     net.add_reader("D0")
@@ -363,8 +419,8 @@ def test_crossed_hellos_resynchronise_the_session_key() -> None:
     net.run_until(60.0)  # Hello#2 at 5.0 answered; the stale Hello#1 lands at 5.5
     h = net.holder("P0")
     assert net.arrivals("D0", "P0", wire.Hello)[:2] == [5.0, 5.5]
-    assert net.arrivals("P0", "D0", wire.Reject) == [10.0]  # the 10 s heartbeat failed its MAC
-    assert h.stats.malformed == 1
+    assert net.arrivals("P0", "D0", wire.Reject) == []
+    assert (h.stats.replayed, h.stats.bad_mac, h.stats.malformed) == (1, 0, 0)
     assert h.lease_state(ticket.lease) is LeaseState.HELD
     assert net.freed == [] and net.failures() == []
     honest_read_succeeds(net, ticket, at=61.0)
@@ -420,8 +476,8 @@ def test_holder_never_raises_on_any_attack_frame() -> None:
     attacks = [
         b"",
         b"\x8bK",
-        b"\x8bK\x01\x00\xc1",
-        b"\x8bK\x01\x01" + b"\x00" * 16,
+        b"\x8bK\x02\x00\xc1",
+        b"\x8bK\x02\x01" + b"\x00" * 16,
         legacy.encode_done("x", 65536),
         b"x:" + b"9" * 10_000,
         b"HB:" + b",".join([b"x"] * 10_000),
@@ -448,5 +504,12 @@ def test_a_burst_of_rejects_after_a_holder_restart_costs_one_hello() -> None:
     net.nodes["P0"].core = Holder(net.config, engine="P", incarnation=8)  # restarts
     net.run_until(20.0)
     assert len(net.arrivals("P0", "D0", wire.Reject)) >= 3
-    assert len(net.arrivals("D0", "P0", wire.Hello)) == 2  # the first one, and one after
+    # The first Hello, one after the burst, then only the retry timer's: the new
+    # process knows none of D's tickets, so nothing can key a Welcome until a ticket
+    # of its own arrives.
+    hellos = net.arrivals("D0", "P0", wire.Hello)
+    assert len([t for t in hellos if t < 11.0]) == 2
+    assert net.reader("D0").session_state("P", 0) is SessionState.HELLO_SENT
+    net.track("D0", "new", net.grant("P0", "p-new"))  # parked: keys a retry within two
+    net.run_until(31.0)
     assert net.reader("D0").session_state("P", 0) is SessionState.OPEN

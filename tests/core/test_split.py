@@ -16,17 +16,18 @@ from kvproto.ticket import LeaseTicket, claim_proof
 
 from .net import Net
 from .pair import counter_entropy
+from .rawsession import open_session
 
 READER_ENGINE = "D"
 
 
-def holder_with_leases(n: int) -> tuple[Holder, list[LeaseTicket]]:
+def holder_with_leases(n: int) -> tuple[Holder, list[LeaseTicket], bytes]:
     h = Holder(LeaseConfig(), engine="P", incarnation=7, entropy=counter_entropy(5))
     tickets = [h.grant(0.0, request_id=f"p{i}") for i in range(n)]
-    hello = wire.Hello(engine=READER_ENGINE, rank=0, tp_size=1, incarnation=1, nonce=bytes(16))
-    h.handle_frame(0.0, "D0", wire.encode(hello))
-    h.drain()
-    return h, tickets
+    anchor = h.grant(0.0, request_id="anchor")  # keys the session; never claimed
+    key = open_session(h, anchor, "D0", engine=READER_ENGINE)
+    assert key is not None
+    return h, tickets, key
 
 
 def claim(t: LeaseTicket) -> wire.Claim:
@@ -56,8 +57,9 @@ def test_one_heartbeat_with_n_claims_equals_n_heartbeats_with_one(
     n: int, order: Any, when: float, claimed: st.DataObject
 ) -> None:
     picks = claimed.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=n, unique=True))
-    batch_holder, tickets = holder_with_leases(n)
-    single_holder, tickets2 = holder_with_leases(n)
+    batch_holder, tickets, key = holder_with_leases(n)
+    single_holder, tickets2, key2 = holder_with_leases(n)
+    assert key == key2
     assert [t.token for t in tickets] == [t.token for t in tickets2]
     chosen = [tickets[i] for i in picks]
     order.shuffle(chosen)
@@ -65,21 +67,25 @@ def test_one_heartbeat_with_n_claims_equals_n_heartbeats_with_one(
     batch = wire.Heartbeat(
         seq=1, claims=[claim(t) for t in chosen], aborts=[], count=len(ids), digest=wire.digest(ids)
     )
-    batch_holder.handle_frame(when, "D0", wire.encode(batch))
+    batch_holder.handle_frame(when, "D0", wire.encode(batch, key))
     for i, t in enumerate(chosen, start=1):
         hb = wire.Heartbeat(
             seq=i, claims=[claim(t)], aborts=[], count=i, digest=wire.digest(ids[:i])
         )
-        single_holder.handle_frame(when, "D0", wire.encode(hb))
+        single_holder.handle_frame(when, "D0", wire.encode(hb, key))
     a, b = holder_view(batch_holder, tickets), holder_view(single_holder, tickets2)
     assert a == b
     assert a["stats"]["claims"] == len(ids) and a["stats"]["resyncs"] == 0
     # The acks carry the same per-lease answers.
     held_a = sorted(
-        x for o in batch_holder.drain() for x in wire.decode(o.payload).held  # type: ignore[union-attr]
+        x
+        for o in batch_holder.drain()
+        for x in wire.decode(o.payload).held  # type: ignore[union-attr]
     )
     held_b = sorted(
-        x for o in single_holder.drain() for x in wire.decode(o.payload).held  # type: ignore[union-attr]
+        x
+        for o in single_holder.drain()
+        for x in wire.decode(o.payload).held  # type: ignore[union-attr]
     )
     assert held_a == held_b and len(held_a) == len(ids)
     # Both go on renewing every claimed lease from then on, and expire the rest on time.

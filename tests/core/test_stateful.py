@@ -31,6 +31,7 @@ from kvproto.states import LeaseState, ReadState
 from kvproto.ticket import LeaseTicket, claim_proof
 
 from .pair import counter_entropy
+from .rawsession import open_session
 
 CONFIG = LeaseConfig(
     kv_lease_duration=30,
@@ -95,9 +96,13 @@ class LeaseMachine(RuleBasedStateMachine):
         self.failed: set[Key] = set()
         self.n = 0
         self.x_seq = 0
-        # The hostile engine has a session of its own from the start.
-        hello = wire.Hello(engine="X", rank=0, tp_size=1, incarnation=66, nonce=bytes(16))
-        self.holder.handle_frame(self.now, HOSTILE, wire.encode(hello))
+        # The hostile engine has a session of its own from the start, keyed by a ticket
+        # of its own (a malicious peer engine is a customer too).
+        x_anchor = self.holder.grant(self.now, request_id="x-own", ttl=CONFIG.max_hold)
+        x_key = open_session(self.holder, x_anchor, HOSTILE, engine="X", incarnation=66)
+        assert x_key is not None
+        self.x_key = x_key
+        self.x_anchor = x_anchor.lease
         self.collect()
 
     # ------------------------------------------------------------ plumbing
@@ -289,6 +294,8 @@ class LeaseMachine(RuleBasedStateMachine):
             for reader in self.readers.values():
                 reader.handle_timer(self.now)
                 self.collect()
+        if not self._unread():
+            return  # never welcomed: the readers failed their lapsed requests themselves
         key = data.draw(st.sampled_from(self._unread()))
         go = self._start(key)
         if go is not None:
@@ -380,7 +387,86 @@ class LeaseMachine(RuleBasedStateMachine):
                 count=0,
                 digest=0,
             )
-        self.holder.handle_frame(self.now, HOSTILE, wire.encode(msg))
+        self.holder.handle_frame(self.now, HOSTILE, wire.encode(msg, self.x_key))
+        self.collect()
+
+    def _holder_view(self) -> tuple[object, ...]:
+        h = self.holder
+        live = {
+            lease: (state, h.deadline(lease))
+            for lease, state in self._states().items()
+            if not state.terminal
+        }
+        s = h.stats
+        return (
+            live,
+            s.heartbeats,
+            s.done_frames,
+            s.claims,
+            s.aborted,
+            h.stats_snapshot()["sessions"],
+        )
+
+    @rule(
+        data=st.data(),
+        kind=st.sampled_from(["empty", "claim", "abort", "done", "resync", "hello"]),
+        seq=st.sampled_from([1, 2, 10**6, 2**62, 2**64 - 1]),
+        key=st.sampled_from([None, bytes(16), b"g" * 16]),
+    )
+    def forge_under_d_name(
+        self, data: st.DataObject, kind: str, seq: int, key: bytes | None
+    ) -> None:
+        """Issue 16: X sends under a D rank's own transport name, without any ticket:
+        no claims (count=0, digest=0), sniffed proofs, seq jumps, anchorless Hellos.
+        Nothing may change: not a state, not a deadline, not a counter of applied frames."""
+        peer = data.draw(st.sampled_from(sorted(self.readers)))
+        proofs = self._sniffed_proofs()
+        lease = data.draw(st.sampled_from(sorted(self.tickets))) if self.tickets else 1
+        c = wire.Claim(lease=lease, proof=proofs.get(lease, bytes(16)))
+        msg: wire.Message
+        if kind == "done":
+            msg = wire.Done(claim=c)
+        elif kind == "hello":
+            msg = wire.Hello(
+                engine="D", rank=0, tp_size=1, incarnation=1234, nonce=bytes(16), anchor=c
+            )
+        else:
+            msg = wire.Heartbeat(
+                seq=seq,
+                claims=[c] if kind == "claim" else [],
+                aborts=[c] if kind == "abort" else [],
+                count=0,
+                digest=0,
+                full=[] if kind == "resync" else None,
+            )
+        before = self._holder_view()
+        self.holder.handle_frame(self.now, peer, wire.encode(msg, key))
+        assert self._holder_view() == before
+        self.collect()
+
+    @rule(
+        data=st.data(),
+        kind=st.sampled_from(["held", "late", "revoke", "reject", "no_session"]),
+        key=st.sampled_from([None, b"g" * 16]),
+    )
+    def forge_to_reader(self, data: st.DataObject, kind: str, key: bytes | None) -> None:
+        """X forges the holder's answers to a D rank. A HELD trusted here would show up as
+        a confirmed read overlapping a free (the invariants below)."""
+        peer = data.draw(st.sampled_from(sorted(self.readers)))
+        lease = data.draw(st.sampled_from(sorted(self.tickets))) if self.tickets else 1
+        msg: wire.Message = {
+            "held": wire.DoneAck(lease=lease, verdict=wire.DoneVerdict.HELD, proof=bytes(16)),
+            "late": wire.DoneAck(lease=lease, verdict=wire.DoneVerdict.LATE),
+            "revoke": wire.Revoke(leases=[lease], reason=4),
+            "reject": wire.Reject(reason=wire.RejectReason.TOO_MANY),
+            "no_session": wire.Reject(reason=wire.RejectReason.NO_SESSION, seq=1),
+        }[kind]
+        reader = self.readers[peer]
+        failed = reader.stats.snapshot()
+        reader.handle_frame(self.now, HOLDER, wire.encode(msg, key))
+        if kind != "no_session":  # heeded at most once an interval, costs one Hello
+            assert list(reader.drain()) == []
+            assert reader.stats.reads_confirmed == failed["reads_confirmed"]
         self.collect()
 
     def _sniffed_proofs(self) -> dict[int, bytes]:
@@ -401,11 +487,8 @@ class LeaseMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 10_000))
     def hostile_replay(self, i: int) -> None:
         """X replays D's frames on its own channel: proofs bound to engine D are useless to
-        X. (Replaying D's *Hello* from another peer would make X speak as engine D; without
-        auth_secret that on-path attack is out of scope, see spec/threat-model.md.)"""
+        X, and so is D's Hello (its session key needs the anchor ticket's token)."""
         payload = self.sniffed[i % len(self.sniffed)]
-        if isinstance(wire.decode(payload), wire.Hello):
-            return
         self.holder.handle_frame(self.now, HOSTILE, payload)
         self.collect()
 
@@ -459,8 +542,10 @@ class LeaseMachine(RuleBasedStateMachine):
     def live_gauge_matches(self) -> None:
         states = list(self._states().values())
         snap = self.holder.stats_snapshot()
-        assert self.holder.live_leases() == sum(not s.terminal for s in states)
-        assert snap["leases_granted"] == sum(s is LeaseState.GRANTED for s in states)
+        # X's own anchor lease (granted for max_hold, never claimed) is live beside D's.
+        x_live = self.holder.lease_state(self.x_anchor) is LeaseState.GRANTED
+        assert self.holder.live_leases() == sum(not s.terminal for s in states) + x_live
+        assert snap["leases_granted"] == sum(s is LeaseState.GRANTED for s in states) + x_live
         assert snap["leases_held"] == sum(s is LeaseState.HELD for s in states)
         assert self.holder.live_leases() == snap["leases_granted"] + snap["leases_held"]
 

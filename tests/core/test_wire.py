@@ -81,7 +81,7 @@ def test_not_a_frame(data: bytes) -> None:
 
 def test_version_and_flags_are_checked() -> None:
     frame = bytearray(wire.encode(SAMPLES[0]))
-    frame[2] = 2
+    frame[2] = wire.VERSION + 1
     with pytest.raises(RemoteProtocolError, match="version"):
         wire.decode(bytes(frame))
     frame[2] = wire.VERSION
@@ -105,11 +105,11 @@ def test_mac_is_required_checked_and_bound_to_the_key() -> None:
     with pytest.raises(RemoteProtocolError):
         wire.decode(bytes(signed), KEY)
     with pytest.raises(RemoteProtocolError, match="short"):
-        wire.decode(b"\x8bK\x01\x01" + b"\x00" * 10, KEY)
+        wire.decode(wire.MAGIC + bytes((wire.VERSION, 1)) + b"\x00" * 10, KEY)
 
 
 def body(*fields: object) -> bytes:
-    return b"\x8bK\x01\x00" + msgspec.msgpack.encode(list(fields))
+    return wire.MAGIC + bytes((wire.VERSION, 0)) + msgspec.msgpack.encode(list(fields))
 
 
 @pytest.mark.parametrize(
@@ -142,8 +142,8 @@ def body(*fields: object) -> bytes:
         body(7, [-1], 1),
         body(8, -1),
         body(3, "1", [], [], 0, 0),  # wrong type
-        b"\x8bK\x01\x00" + b"\x93\x03",  # truncated msgpack
-        b"\x8bK\x01\x00" + msgspec.msgpack.encode([5, [1, PROOF]]) + b"\x00",  # trailing byte
+        b"\x8bK\x02\x00" + b"\x93\x03",  # truncated msgpack
+        b"\x8bK\x02\x00" + msgspec.msgpack.encode([5, [1, PROOF]]) + b"\x00",  # trailing byte
     ],
 )
 def test_invalid_bodies_are_remote_protocol_errors(data: bytes) -> None:
@@ -161,7 +161,7 @@ def test_invalid_utf8_in_a_string_field_is_a_remote_protocol_error() -> None:
 def test_extra_trailing_fields_are_ignored_for_forward_compatibility() -> None:
     # msgspec's array_like structs accept (and drop) trailing elements: a newer
     # peer may append fields. Documented here so a change is deliberate.
-    assert wire.decode(body(6, 1, 0, "future")) == wire.DoneAck(lease=1, verdict=0)
+    assert wire.decode(body(6, 1, 0, b"", "future")) == wire.DoneAck(lease=1, verdict=0)
 
 
 def test_delta_codec_and_digest() -> None:

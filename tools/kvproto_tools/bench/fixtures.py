@@ -15,7 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from kvproto import wire
+from kvproto import auth, wire
 from kvproto.config import LeaseConfig
 from kvproto.events import Connect, SendFrame
 from kvproto.holder import Holder
@@ -216,13 +216,55 @@ class WireReader:
         self.seq = 0
         self.count = 0
         self.digest = 0
+        self.attempt = 0
+        self.nonce = b""
+        self.anchor: LeaseTicket | None = None
+        self.key = b""
+        """Session key (reader → holder), from :meth:`welcomed`."""
 
-    def hello(self, nonce: bytes = b"\x01" * 16) -> bytes:
-        """The session-opening frame."""
+    def hello(self, anchor: LeaseTicket, nonce: bytes = b"\x01" * 16) -> bytes:
+        """The session-opening frame, anchored on ``anchor`` (a Reader takes its newest ticket)."""
+        self.attempt += 1
+        self.nonce, self.anchor = nonce, anchor
+        proof = auth.hello_proof(
+            anchor.token,
+            reader_engine=self.engine,
+            reader_rank=0,
+            reader_tp=1,
+            reader_incarnation=self.incarnation,
+            holder_rank=0,
+            lease=anchor.lease,
+            attempt=self.attempt,
+            nonce=nonce,
+        )
         return wire.encode(
             wire.Hello(
-                engine=self.engine, rank=0, tp_size=1, incarnation=self.incarnation, nonce=nonce
+                engine=self.engine,
+                rank=0,
+                tp_size=1,
+                incarnation=self.incarnation,
+                nonce=nonce,
+                attempt=self.attempt,
+                anchor=wire.Claim(lease=anchor.lease, proof=proof),
             )
+        )
+
+    def welcomed(self, payload: bytes) -> None:
+        """Derive the session key from the holder's Welcome to :meth:`hello`."""
+        welcome = wire.decode(payload)
+        if not isinstance(welcome, wire.Welcome) or self.anchor is None:
+            raise RuntimeError(f"expected a Welcome, got {welcome!r}")
+        self.key, _ = auth.session_keys(
+            self.anchor.token,
+            reader_engine=self.engine,
+            reader_rank=0,
+            reader_incarnation=self.incarnation,
+            holder_engine=welcome.engine,
+            holder_rank=welcome.rank,
+            holder_incarnation=welcome.incarnation,
+            nonce=self.nonce,
+            server_nonce=welcome.server_nonce,
+            secret=self.config.auth_secret,
         )
 
     def claims(self, tickets: list[LeaseTicket]) -> list[bytes]:
@@ -249,7 +291,8 @@ class WireReader:
         return wire.encode(
             wire.Heartbeat(
                 seq=self.seq, claims=claims, aborts=[], count=self.count, digest=self.digest
-            )
+            ),
+            self.key,
         )
 
 
@@ -264,7 +307,9 @@ def build_holder_direct(n: int, request_ids: list[str] | None = None) -> HolderF
     source = WireReader(config)
     with no_gc():
         tickets = [holder.grant(0.0, request_id=rid) for rid in ids]
-        holder.handle_frame(0.0, READER_PEER, source.hello())
+        holder.handle_frame(0.0, READER_PEER, source.hello(tickets[-1]))
+        (welcome,) = [o.payload for o in holder.drain() if isinstance(o, SendFrame)]
+        source.welcomed(welcome)
         for frame in source.claims(tickets):
             holder.handle_frame(0.0, READER_PEER, frame)
             holder.drain()
