@@ -40,3 +40,12 @@ def test_kvproto_premature_frees_are_explained() -> None:
     assert "kvproto premature" in partition and "as designed" in partition
     assert "fenced" in partition and "recomputed" in partition
     assert "kvproto premature" not in normal
+
+
+def test_vllms_own_counters_are_reported_where_it_served_freed_blocks() -> None:
+    runs = [result("slow-forward", "vllm-lease"), result("normal", "vllm-lease")]
+    late = runs[0].extra["vllm_num_notifications_after_expiry"]
+    assert runs[0].metrics["overlapped_reads"] and late > 0  # vLLM 0.32 noticed, too late
+    normal, slow = conclusions(aggregate(runs))
+    assert f"num_notifications_after_expiry {late:.0f}" in slow and "not a fence" in slow
+    assert "num_notifications_after_expiry" not in normal

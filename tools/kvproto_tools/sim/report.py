@@ -63,6 +63,8 @@ class Row:
     """Worst reclaim over the seeds."""
     liveness: int
     """Liveness violations, summed."""
+    counters: dict[str, float]
+    """The policy's own counters (``RunResult.extra["vllm_num_*"]``), summed over seeds."""
 
 
 def aggregate(results: Iterable[RunResult]) -> list[Row]:
@@ -86,11 +88,17 @@ def aggregate(results: Iterable[RunResult]) -> list[Row]:
             else:
                 values[key] = sum(xs) / len(xs)
         reclaims = [float(v) for r in runs if (v := r.metrics["reclaim_s"]) is not None]
+        counters: dict[str, float] = {}
+        for r in runs:
+            for k, v in r.extra.items():
+                if k.startswith("vllm_num_"):
+                    counters[k] = counters.get(k, 0) + v
         rows.append(
             Row(
                 scenario=scenario, policy=policy, runs=len(runs), values=values,
                 reclaim_max=max(reclaims) if reclaims else None,
                 liveness=sum(r.liveness_violations for r in runs),
+                counters=counters,
             )
         )
     return rows
@@ -155,11 +163,25 @@ def conclusions(rows: Sequence[Row]) -> list[str]:
         else:
             verdict = "used freed blocks: " + (", ".join(unsafe) if unsafe else "nobody")
             line = f"{label}: {figures}; {verdict}."
-        note = _fenced_premature(group)
-        if note:
-            line += "\n      " + note
+        for note in (_fenced_premature(group), _vllm_saw_it(group)):
+            if note:
+                line += "\n      " + note
         out.append(f"[cyan]{scenario}[/cyan] - {sc.summary}\n      {line}")
     return out
+
+
+def _vllm_saw_it(group: Sequence[Row]) -> str:
+    """What vLLM 0.32's own counters said while it served freed blocks."""
+    row = next((r for r in group if r.policy == "vllm-lease"), None)
+    if row is None or not (row.values["overlapped_reads"] or 0) > 0:
+        return ""
+    late = row.counters.get("vllm_num_notifications_after_expiry", 0)
+    expired = row.counters.get("vllm_num_kv_expired_reqs", 0)
+    return (
+        f"vllm-lease's own counters: num_kv_expired_reqs {expired:.0f}, "
+        f"num_notifications_after_expiry {late:.0f} (its 'Potentially invalid KV blocks' "
+        f"error, logged at P while D has already used what it read: a log line, not a fence)."
+    )
 
 
 def _fenced_premature(group: Sequence[Row]) -> str:
