@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -9,6 +10,15 @@ import pytest
 from .netns import Link, remove_stale, unavailable_reason
 
 REASON = unavailable_reason()
+REQUIRED = os.environ.get("KVPROTO_REQUIRE_NETNS") == "1"
+"""Set by .ci/run where it installed the tools as root: then no namespace is a failure."""
+
+
+def _skip_or_fail() -> None:
+    if REASON is not None:
+        if REQUIRED:
+            pytest.fail(f"KVPROTO_REQUIRE_NETNS=1 but network namespaces: {REASON}")
+        pytest.skip(f"network namespaces: {REASON}")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -21,10 +31,15 @@ def _no_stale_namespaces() -> None:
 
 
 @pytest.fixture
+def netns_ok() -> None:
+    """Skip (or, under KVPROTO_REQUIRE_NETNS=1, fail) where namespaces cannot be made."""
+    _skip_or_fail()
+
+
+@pytest.fixture
 def link() -> Iterator[Link]:
     """A fresh two-host link, torn down after the test whatever happened."""
-    if REASON is not None:
-        pytest.skip(f"network namespaces: {REASON}")
+    _skip_or_fail()
     made = Link()
     try:
         yield made
@@ -35,8 +50,7 @@ def link() -> Iterator[Link]:
 @pytest.fixture
 def delay_link() -> Iterator[Link]:
     """A two-host link through the delaying bridge."""
-    if REASON is not None:
-        pytest.skip(f"network namespaces: {REASON}")
+    _skip_or_fail()
     made = Link(delayer=True)
     try:
         yield made

@@ -10,10 +10,9 @@ import time
 import pytest
 
 from . import netns
-from .conftest import REASON
 from .netns import Link, socket_in
 
-pytestmark = pytest.mark.skipif(REASON is not None, reason=f"network namespaces: {REASON}")
+pytestmark = pytest.mark.usefixtures("netns_ok")
 
 
 def _datagrams(link: Link, count: int, wait_s: float = 0.3) -> tuple[int, float]:
