@@ -101,6 +101,13 @@ class HolderFixture:
             frames.append(out[0])
         return frames
 
+    def session_key(self) -> bytes:
+        """The reader → holder session key the steady frames are signed with."""
+        if self.source is not None:
+            return self.source.key
+        assert self.reader is not None
+        return self.reader._sessions[("P", 0)].up  # the bench reads its own fixture
+
     def idle_time(self) -> float:
         """A time at which nothing is due at the holder."""
         due = self.holder.get_timer()

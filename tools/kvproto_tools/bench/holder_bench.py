@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import itertools
 
+from kvproto import auth, wire
 from kvproto.events import SendFrame
+from kvproto.ticket import claim_proof
 from kvproto_tools.bench import anchor
 from kvproto_tools.bench.figures import Figure
 from kvproto_tools.bench.fixtures import READER_PEER, HolderFixture
@@ -32,6 +34,8 @@ def measure(
         figures += _idle(fx, vllm, plan)
         hb = _heartbeat(fx, vllm, plan)
     figures += hb
+    with quiet_gc():
+        figures += _mac(fx, plan)
     if not claim:
         return figures
     apply = next(f for f in hb if f.name == "holder.heartbeat_apply")
@@ -199,6 +203,57 @@ def _heartbeat(fx: HolderFixture, vllm: anchor.VllmPrefill, plan: Plan) -> list[
             anchor="bare decode + split + max-update (floor)",
             anchor_value=vb / 1e3,
         ),
+    ]
+
+
+def _mac(fx: HolderFixture, plan: Plan) -> list[Figure]:
+    """What the issue-16 session MAC costs: per heartbeat, per claim, per done.
+
+    Timed as the holder pays it: one keyed BLAKE2b to check the incoming frame and one to
+    sign its answer (the answer's MAC is the same hash over a frame of similar size). A
+    claim pays its share of its frame's MAC; a done pays the frame's MAC, the HELD
+    verdict's per-lease proof and the answer's MAC. None of it grows with N.
+    """
+    key = fx.session_key()
+    ids = [x.lease for x in fx.tickets]
+    steady = wire.Heartbeat(seq=2**20, claims=[], aborts=[], count=fx.n, digest=wire.digest(ids))
+    beat = wire.encode(steady, key)  # the size of the reader's steady frame
+    ack = wire.encode(wire.HeartbeatAck(seq=1, clock=fx.now, held=[], lost=[]), key)
+    t = fx.tickets[0]
+    proof = claim_proof(t.token, "D", t.lease)
+    room = max(1, (fx.holder.config.frame_budget - 64) // (1 + 9 + 18))
+    claims = [wire.Claim(lease=x.lease, proof=proof) for x in fx.tickets[:room]]
+    claim_frame = wire.encode(
+        wire.Heartbeat(seq=1, claims=claims, aborts=[], count=len(claims), digest=0), key
+    )
+    done = wire.encode(wire.Done(claim=wire.Claim(lease=t.lease, proof=proof)), key)
+    done_ack = wire.encode(wire.DoneAck(lease=t.lease, verdict=0, proof=proof), key)
+    repeats = plan.repeats_for(fx.n)
+
+    def per_heartbeat() -> None:
+        wire.verify(key, beat)
+        wire.verify(key, ack)
+
+    def per_claim_frame() -> None:
+        wire.verify(key, claim_frame)
+
+    def per_done() -> None:
+        wire.verify(key, done)
+        auth.verdict_proof(t.token, lease=t.lease, verdict=0, reader_engine="D", reader_rank=0)
+        wire.verify(key, done_ack)
+
+    hb_ns, _ = paired_ns(per_heartbeat, per_heartbeat, batch=plan.hb_batch, repeats=repeats)
+    claim_ns, _ = paired_ns(per_claim_frame, per_claim_frame, batch=plan.hb_batch, repeats=repeats)
+    done_ns, _ = paired_ns(per_done, per_done, batch=plan.hb_batch, repeats=repeats)
+    return [
+        Figure(name="holder.heartbeat_mac", size=fx.n, value=hb_ns, unit="ns"),
+        Figure(
+            name="holder.claim_mac_per_lease",
+            size=fx.n,
+            value=claim_ns / len(claims),
+            unit="ns",
+        ),
+        Figure(name="holder.done_mac", size=fx.n, value=done_ns, unit="ns"),
     ]
 
 
