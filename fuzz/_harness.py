@@ -10,7 +10,7 @@ import copy
 import json
 from typing import Any
 
-from kvproto import legacy, wire
+from kvproto import auth, legacy, wire
 from kvproto.config import LeaseConfig
 from kvproto.events import ReadGo, SendFrame
 from kvproto.holder import Holder
@@ -60,6 +60,38 @@ class Pair:
             if not moved:
                 return
 
+    def session_keys(self) -> list[bytes]:
+        """Every key a frame may be signed with to be authentic here (both directions)."""
+        keys: list[bytes] = []
+        for hs in self.holder._sessions.values():
+            keys += [hs.up, hs.prev_up]
+        for rs in self.reader._sessions.values():
+            keys += [rs.down, rs.prev_down]
+        return [k for k in keys if k]
+
+    def authentic(self, data: bytes) -> bool:
+        """Signed with one of this pair's session keys (the fuzzer cannot forge one)."""
+        return any(wire.verify(k, data) for k in self.session_keys())
+
+    def anchored(self, hello: wire.Hello) -> bool:
+        """The Hello's anchor proof is right for a lease this holder holds."""
+        anchor = hello.anchor
+        lease = None if anchor is None else self.holder._leases.get(anchor.lease)
+        if anchor is None or lease is None:
+            return False
+        proof = auth.hello_proof(
+            lease.token,
+            reader_engine=hello.engine,
+            reader_rank=hello.rank,
+            reader_tp=hello.tp_size,
+            reader_incarnation=hello.incarnation,
+            holder_rank=self.holder.rank,
+            lease=lease.lease,
+            attempt=hello.attempt,
+            nonce=hello.nonce,
+        )
+        return proof == anchor.proof
+
     def copy(self) -> Pair:
         return copy.deepcopy(self)
 
@@ -87,7 +119,8 @@ class Pair:
             for lease in h._leases.values()
         )
         sessions = tuple(
-            (peer, s.serial, s.engine, s.deadline, s.count, s.digest, s.key, sorted(s.leases))
+            (peer, s.serial, s.engine, s.deadline, s.count, s.digest, s.up, s.down, s.attempt,
+             sorted(s.leases))
             for peer, s in h._sessions.items()
         )
         requests = tuple(
@@ -98,7 +131,8 @@ class Pair:
             for rid, req in r._requests.items()
         )
         r_sessions = tuple(
-            (key, s.state, s.peer, s.key, s.incarnation, s.seq, s.next_beat, s.count, s.digest,
+            (key, s.state, s.peer, s.up, s.down, s.nonce, s.incarnation, s.seq, s.next_beat,
+             s.count, s.digest,
              tuple(s.pending_claims), tuple(s.pending_aborts), s.want_full, s.in_sync_seq,
              s.in_sync_since)
             for key, s in r._sessions.items()
@@ -151,6 +185,11 @@ def wire_seeds(pair: Pair) -> list[bytes]:
     ]
     seeds = list(pair.frames) + [wire.encode(m) for m in extra]
     seeds += [wire.encode(m, KEY) for m in extra]
+    # Signed with the live session keys (issue 16): frames the cores act on, to mutate.
+    up = pair.holder._sessions["D0"].up
+    down = pair.reader._sessions[("P", 0)].down
+    seeds += [wire.encode(m, up) for m in extra if isinstance(m, (wire.Heartbeat, wire.Done))]
+    seeds += [wire.encode(m, down) for m in extra if not isinstance(m, wire.Heartbeat)]
     return seeds
 
 
