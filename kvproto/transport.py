@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from kvproto.errors import RemoteProtocolError
 from kvproto.tpmath import BlockLayout, BlockSlice
 
 PeerId = str
@@ -140,8 +141,11 @@ class PeerUnreachable(TransportError):
     """The transport knows the peer but cannot reach it now (it also reports PeerLost)."""
 
 
-class BadMetadata(TransportError):
-    """``add_peer`` was given metadata this transport cannot use."""
+class BadMetadata(TransportError, RemoteProtocolError):
+    """``add_peer`` was given metadata this transport cannot use.
+
+    Also a :class:`~kvproto.errors.RemoteProtocolError`: metadata comes from a peer,
+    and every parser a peer reaches raises one (issue 16's single taxonomy)."""
 
 
 class MemoryNotRegistered(TransportError):

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+from kvproto.errors import RemoteProtocolError
+
+
+class MalformedHandshake(RemoteProtocolError):
+    """A request or reply body that is not a valid side-channel message (peer input)."""
+
 
 class SideChannelError(Exception):
     """Base of every side-channel failure."""

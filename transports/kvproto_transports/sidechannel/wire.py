@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 
 import msgspec
+
+from .errors import MalformedHandshake
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 256 * 1024
@@ -77,6 +80,28 @@ class HandshakeReply(msgspec.Struct, frozen=True):
 _encoder = msgspec.msgpack.Encoder()
 request_decoder = msgspec.msgpack.Decoder(HandshakeRequest)
 reply_decoder = msgspec.msgpack.Decoder(HandshakeReply)
+
+
+def decode_request(body: bytes) -> HandshakeRequest:
+    """A request, or :class:`~.errors.MalformedHandshake` (a ``RemoteProtocolError``)."""
+    try:
+        return request_decoder.decode(body)
+    # Invalid UTF-8 in a string field raises UnicodeDecodeError (a ValueError), not
+    # DecodeError: found by fuzz/fuzz_handshake.py.
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+        raise MalformedHandshake(f"not a handshake request: {exc}") from None
+
+
+def decode_reply(body: bytes) -> HandshakeReply:
+    """A reply, or :class:`~.errors.MalformedHandshake` (a ``RemoteProtocolError``)."""
+    try:
+        reply = reply_decoder.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+        raise MalformedHandshake(f"not a handshake reply: {exc}") from None
+    if not math.isfinite(reply.server_time):
+        # NaN defeats every comparison made with it (found by fuzz/fuzz_handshake.py).
+        raise MalformedHandshake("non-finite server_time")
+    return reply
 
 
 def encode(message: HandshakeRequest | HandshakeReply) -> bytes:
