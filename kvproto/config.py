@@ -83,7 +83,11 @@ class LeaseConfig:
     accept_legacy: bool = False
     """Accept stock vLLM text frames (``HB:a,b`` and ``id:n``); unauthenticated, see spec."""
     auth_secret: bytes | None = None
-    """Shared secret: when set every frame carries a keyed MAC and unsigned frames are refused."""
+    """Optional shared secret, a layer on top of the default authentication.
+
+    Without it every frame is still signed, with session keys derived from a ticket
+    token (kvproto.auth). With it Hellos must carry its MAC and it keys every session
+    key as well, so a forger needs a token *and* the secret."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
