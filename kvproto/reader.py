@@ -580,13 +580,16 @@ class Reader:
     def _hello(self, now: float, session: _Session) -> None:
         session.nonce = self._entropy(16)
         session.hello_sent = now
-        session.attempt += 1
         session.next_beat = now + self._interval(session)  # re-Hello if no Welcome by then
         req = self._anchor(session)
-        session.anchor_turn += 1
         if req is None:
+            # No ticket to prove, nothing to heartbeat either. The retry timer runs on,
+            # so a request tracked later gets its Hello; attempt numbers count only
+            # Hellos sent (the holder refuses a jump of more than 2**16).
             session.anchor_token = b""
-            return  # no ticket to prove: nothing to heartbeat either
+            return
+        session.attempt += 1
+        session.anchor_turn += 1
         session.anchor_token = req.ticket.token
         lease = req.ticket.lease
         proof = auth.hello_proof(

@@ -195,3 +195,24 @@ def test_a_done_from_a_rank_outside_the_expected_set_never_counts() -> None:
     holder.handle_frame(3.0, "D0", wire.encode(done, key0))
     assert holder.lease_state(ticket.lease) is LeaseState.HELD
     assert holder.stats.released_done == 0
+
+
+def test_a_reader_with_nothing_to_prove_sends_no_hellos_and_recovers_later() -> None:
+    """After a holder restart the old tickets fail by lapse; the idle session then sends
+    nothing (attempt numbers count only Hellos sent, so days of idling cannot push them
+    past the holder's 2**16 bound), and a new ticket opens it again."""
+    net = Net()
+    net.add_holder("P0")
+    net.add_reader("D0")
+    net.track("D0", "old", net.grant("P0", "p-old"))
+    net.run_until(7.0)
+    net.nodes["P0"].core = Holder(net.config, engine="P", incarnation=8)
+    net.run_until(50.0)
+    assert [(rid, why) for _, rid, why in net.failures("D0")] == [("old", "LEASE_LOST")]
+    hellos = len(net.arrivals("D0", "P0", wire.Hello))
+    net.run_until(86_400.0)
+    assert len(net.arrivals("D0", "P0", wire.Hello)) == hellos
+    net.track("D0", "new", net.grant("P0", "p-new"))
+    net.run_until(86_400.0 + 6.0)
+    assert net.reader("D0").session_state("P", 0) is SessionState.OPEN
+    assert net.failures("D0")[1:] == []
