@@ -15,7 +15,9 @@ Scheduler level (real 0.32 Schedulers, no engine):
   works because importing the connector registers it with the factory;
 * HMA: MultiConnector keeps the hybrid allocator only when every child
   supports it; with ExampleConnector it is off, and our single-group
-  transfer is unaffected.
+  transfer is unaffected;
+* beside a second P/D connector (stock NixlConnector) the keys clash and
+  vLLM refuses the merge at the first finished prefill.
 Engine level (two real CPU engines, each MultiConnector[Kvproto, Example]):
 the decode output equals the non-disaggregated baseline, every prompt token
 is read through kvproto (confirmed), P frees on D's done, our lease counters
@@ -40,7 +42,7 @@ from kvproto.ticket import PARAMS_KEY, LeaseTicket  # noqa: E402
 from kvproto_vllm.metadata import KvprotoMetadata  # noqa: E402
 
 from .engine_proc import EngineProc, EngineSpec, free_port  # noqa: E402
-from .kvproto_config import events, kvproto_config  # noqa: E402
+from .kvproto_config import events, kvproto_config, stock_config  # noqa: E402
 from .test_kvproto_scheduler import BLOCK, NUM_BLOCKS, request  # noqa: E402
 from .tiny_model import make_prompt  # noqa: E402
 
@@ -174,6 +176,27 @@ def test_multiconnector_scheduler(tiny_model_dir: Path, tmp_path: Path) -> None:
     assert rebuilt is not None
     assert rebuilt.reduce() == {"KvprotoConnector": {"reader_reads_confirmed": 1}}
     assert KVConnectorFactory.get_connector_class_by_name("KvprotoConnector") is KvprotoConnector
+
+
+def test_second_pd_connector_is_refused(tiny_model_dir: Path) -> None:
+    """Beside another P/D connector (stock NixlConnector) our kv_transfer_params keys clash
+    (stock's P/D keys, which a stock decoder and proxy expect): vLLM's MultiConnector
+    refuses the merge at the first finished prefill, naming the keys. Pair KvprotoConnector
+    only with connectors that return no kv_transfer_params (storage, offloading)."""
+    transfer = {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_producer",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "connectors": [kvproto_config("kv_producer"), stock_config("kv_producer")]
+        },
+    }
+    p = make_scheduler(tiny_model_dir, transfer)
+    p.add_request(request("p1", max_tokens=1, params={"do_remote_decode": True}))
+    with pytest.raises(RuntimeError, match="Key clash in kv_transfer_params") as info:
+        step(p)
+    assert "do_remote_prefill" in str(info.value) and "remote_block_ids" in str(info.value)
+    p.shutdown()
 
 
 @pytest.mark.slow
