@@ -26,11 +26,9 @@ module registers the class with vLLM's connector factory by name, which
 
 from __future__ import annotations
 
-import contextlib
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorHandshakeMetadata,
@@ -43,6 +41,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .config import parse_extra_config
 from .metadata import KvprotoMetadata
+from .plugin import register as register_with_factory
 
 if TYPE_CHECKING:
     from vllm.config import KVTransferConfig, VllmConfig
@@ -312,17 +311,6 @@ SLEEP_MODE_REFUSAL = (
 )
 
 
-def _register_with_factory() -> None:
-    """Make ``KVConnectorFactory.get_connector_class_by_name("KvprotoConnector")`` work.
-
-    ``MultiConnector.build_kv_connector_stats`` rebuilds each child's stats by
-    class name (in the process that logs them); an out-of-tree class is not in
-    the factory's registry unless it registers itself. Idempotent."""
-    # ValueError: already registered (say, the module was reloaded).
-    with contextlib.suppress(ValueError):
-        KVConnectorFactory.register_connector(
-            KvprotoConnector.__name__, __name__, KvprotoConnector.__name__
-        )
-
-
-_register_with_factory()
+# The vllm.general_plugins entry point (plugin.py) does this in every vLLM process; here for
+# installs without it. MultiConnector rebuilds child stats by class name.
+register_with_factory()

@@ -12,7 +12,9 @@ Scheduler level (real 0.32 Schedulers, no engine):
 * D: the request is tracked from enqueue, our connector is the one chosen to
   load (first in the list), the partner is told to load nothing;
 * stats: MultiConnector rebuilds our serialized stats by class name, which
-  works because importing the connector registers it with the factory;
+  works because the connector is registered with the factory by name (by
+  the ``vllm.general_plugins`` entry point in every vLLM process, lazily,
+  and by importing the connector);
 * HMA: MultiConnector keeps the hybrid allocator only when every child
   supports it; with ExampleConnector it is off, and our single-group
   transfer is unaffected;
@@ -176,6 +178,42 @@ def test_multiconnector_scheduler(tiny_model_dir: Path, tmp_path: Path) -> None:
     assert rebuilt is not None
     assert rebuilt.reduce() == {"KvprotoConnector": {"reader_reads_confirmed": 1}}
     assert KVConnectorFactory.get_connector_class_by_name("KvprotoConnector") is KvprotoConnector
+
+
+def test_plugin_registers_the_name_lazily() -> None:
+    """The ``vllm.general_plugins`` entry point registers KvprotoConnector with vLLM's
+    factory in a process that never imported the connector (a front end that only logs
+    MultiConnector's stats), without importing it until the class is asked for."""
+    import subprocess
+    import sys
+    from importlib.metadata import entry_points
+
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    section = pyproject.split('[project.entry-points."vllm.general_plugins"]', 1)[1]
+    assert 'kvproto_vllm = "kvproto_vllm.plugin:register"' in section.split("\n[", 1)[0]
+    if not [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "kvproto_vllm"]:
+        pytest.skip("the installed kvproto metadata predates the entry point (pip install -e .)")
+    code = (
+        "import sys\n"
+        "from vllm.plugins import load_general_plugins\n"
+        "from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory\n"
+        "load_general_plugins()\n"
+        "assert 'kvproto_vllm.connector' not in sys.modules, 'imported eagerly'\n"
+        "cls = KVConnectorFactory.get_connector_class_by_name('KvprotoConnector')\n"
+        "print(cls.__module__, cls.__name__)\n"
+    )
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"}
+    env.pop("VLLM_PLUGINS", None)
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-2:] == ["kvproto_vllm.connector", "KvprotoConnector"]
 
 
 def test_second_pd_connector_is_refused(tiny_model_dir: Path) -> None:

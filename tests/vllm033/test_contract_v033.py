@@ -4,6 +4,8 @@
   method left, overridden signatures equal the base's -- now including
   ``supports_sleep_mode`` --, factory resolution, light import, stats,
   extra config), run unchanged on 0.33;
+* the ``vllm.general_plugins`` entry point registers the class name with
+  0.33's connector factory without importing the connector;
 * every public member of 0.33's ``KVConnectorBase_V1`` is implemented or
   deliberately inherited (tests/vllm/connector_hooks.py): a hook added by a
   later vLLM fails here until someone reads it;
@@ -32,6 +34,7 @@ from tests.vllm.test_kvproto_contract import (  # noqa: E402
     test_stats_aggregate_and_reduce,
 )
 from tests.vllm.test_kvproto_hooks import test_every_base_member_is_accounted_for  # noqa: E402
+from tests.vllm.test_kvproto_multi import test_plugin_registers_the_name_lazily  # noqa: E402
 
 from .device_free import device_free_config  # noqa: E402
 
@@ -41,6 +44,7 @@ __all__ = [  # collected here, run against vLLM 0.33
     "test_factory_resolves_from_module_path",
     "test_import_is_light",
     "test_no_abstract_methods_left",
+    "test_plugin_registers_the_name_lazily",
     "test_signatures_match_base",
     "test_stats_aggregate_and_reduce",
 ]
