@@ -368,6 +368,11 @@ class Holder:
         """Leases whose blocks are still held."""
         return self._granted + self._held
 
+    def reader_of(self, peer: PeerId) -> tuple[str, int] | None:
+        """(engine, rank) of the reader whose session ``peer`` carries, or None."""
+        session = self._sessions.get(peer)
+        return None if session is None else (session.engine, session.rank)
+
     def stats_snapshot(self) -> dict[str, int]:
         """Counters plus gauges (leases by state, sessions)."""
         snap = self.stats.snapshot()

@@ -61,6 +61,23 @@ log = logging.getLogger("vllm.kvproto_connector.worker")
 _EVENTS_KEPT = 512
 
 
+def route_kvproto_logs() -> None:
+    """Send the binding's and transports' ``kvproto.*`` log lines through vLLM's handler.
+
+    They log under ``kvproto`` (they know nothing of vLLM); in a vLLM process that
+    logger has no handler, so Python's last-resort handler would print WARNINGs bare
+    (no level, time or process) and drop INFO. Borrowing vLLM's handler and level
+    gives an operator one log format, e.g. the WARNING naming a lost decoder."""
+    ours = logging.getLogger("kvproto")
+    theirs = logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.getEffectiveLevel())
+    ours.propagate = False
+
+
 class WorkerSide:
     """Everything one worker rank runs for the connector."""
 
@@ -77,6 +94,7 @@ class WorkerSide:
     ) -> None:
         """``tp`` = (rank, size) overrides vLLM's TP group (tests run several ranks in one
         process); by default both come from vLLM."""
+        route_kvproto_logs()
         self.cfg = cfg
         self.vllm_config = vllm_config
         self.engine_id = engine_id

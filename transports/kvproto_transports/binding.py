@@ -218,7 +218,19 @@ class Endpoint:
 
     def _peer_lost(self, now: float, peer: PeerId) -> None:
         if self.holder is not None:
+            reader = self.holder.reader_of(peer)
+            before = self.holder.stats.peer_lost
             self.holder.peer_lost(now, peer)
+            freed = self.holder.stats.peer_lost - before
+            if reader is not None:
+                # An operator's first question after a decoder dies: were its blocks freed?
+                log.warning(
+                    "reader %s rank %d (peer %s) lost: %d lease(s) freed at once (PEER_LOST)",
+                    reader[0],
+                    reader[1],
+                    peer,
+                    freed,
+                )
         if self.reader is not None:
             self.reader.peer_lost(now, peer)
 
