@@ -45,9 +45,11 @@ class AdapterConfig:
     engines of a pair must use the same one (it is part of the handshake compat hash)."""
     backends: tuple[str, ...] = ("UCX",)
     """NIXL backends (stock key ``backends``); unused with ``kv_transport: "ucx"``."""
-    probe_interval_s: float | None = 1.0
+    probe_interval_s: float | None = 0.25
     """How often the worker probes its transport peers so a dead peer surfaces as PeerLost
-    (a holder then frees at once instead of at lease expiry); None disables probing."""
+    (a holder then frees at once instead of at lease expiry); None disables probing.
+    A probe is one 20-byte notification per peer; at 1 s a killed decoder's leases
+    were freed 1.3 s after the kill under load (vllm serve), at 0.25 s within 1 s."""
     handshake_timeout_s: float = 5.0
     """Side-channel round-trip timeout (stock: 5 s)."""
     handshake_attempts: int = 3
@@ -99,7 +101,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> AdapterConfig:
         lease=lease,
         kv_transport=_kv_transport(own.get("kv_transport", KV_TRANSPORTS[0]), lease),
         backends=_backends(own.get("backends", ("UCX",))),
-        probe_interval_s=_optional_positive("probe_interval_s", own.get("probe_interval_s", 1.0)),
+        probe_interval_s=_optional_positive("probe_interval_s", own.get("probe_interval_s", 0.25)),
         handshake_timeout_s=_positive("handshake_timeout_s", own.get("handshake_timeout_s", 5.0)),
         handshake_attempts=int(_positive("handshake_attempts", own.get("handshake_attempts", 3))),
         kv_recompute_threshold=int(
