@@ -54,12 +54,43 @@ def _body(model: str, max_tokens: int, stream: bool, **fields: Any) -> dict[str,
 
 
 def complete(
-    url: str, model: str, prompt: str, *, max_tokens: int = 8, stream: bool = False
+    url: str,
+    model: str,
+    prompt: str,
+    *,
+    max_tokens: int = 8,
+    stream: bool = False,
+    kv_transfer_params: dict[str, Any] | None = None,
 ) -> Answer:
-    """``POST /v1/completions``."""
-    return _post(
-        url + "/v1/completions", _body(model, max_tokens, stream, prompt=prompt), chat=False
+    """``POST /v1/completions`` (``kv_transfer_params`` when talking to an engine directly)."""
+    body = _body(model, max_tokens, stream, prompt=prompt)
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = kv_transfer_params
+    return _post(url + "/v1/completions", body, chat=False)
+
+
+def prefill(url: str, model: str, prompt: str) -> dict[str, Any]:
+    """Ask a prefill engine directly for ``prompt``'s KV, as the router does.
+
+    Returns the ``kv_transfer_params`` the decoder needs (with kvproto's
+    ticket); the prefill engine holds the blocks until the decoder reads them
+    or the lease ends."""
+    body = _body(model, 1, False, prompt=prompt, kv_transfer_params={"do_remote_decode": True})
+    request = urllib.request.Request(
+        url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
     )
+    try:
+        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as reply:
+            data = json.load(reply)
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise RequestFailed(f"{url}: {exc}") from exc
+    params = data.get("kv_transfer_params")
+    if not isinstance(params, dict):
+        raise RequestFailed(f"{url}: no kv_transfer_params in the prefill answer")
+    return params
 
 
 def chat(

@@ -69,6 +69,8 @@ class EngineSpec:
     """``VLLM_NIXL_SIDE_CHANNEL_PORT``: where the decoder asks for this engine's metadata."""
     cpus: str | None = None
     """``VLLM_CPU_OMP_THREADS_BIND`` (e.g. "0"); None keeps vLLM's ``auto``."""
+    max_num_seqs: int | None = None
+    """Requests this engine runs at once, if not the model's default (more wait queued)."""
 
     @property
     def url(self) -> str:
@@ -92,25 +94,28 @@ class ModelSpec:
     """``VLLM_CPU_KVCACHE_SPACE`` per engine."""
 
 
-def kv_transfer_config(connector: str, role: str, *, lease_s: int = 30) -> dict[str, Any]:
+def kv_transfer_config(
+    connector: str, role: str, *, lease_s: int = 30, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """``--kv-transfer-config`` for ``connector`` ("kvproto" or "stock") in ``role``.
 
     Both recompute on a failed load (vLLM's default, ``fail``, turns a fenced
-    read into an error for the client instead of a correct answer)."""
+    read into an error for the client instead of a correct answer). ``extra``
+    adds keys to ``kv_connector_extra_config`` (e.g. stock's ``num_threads``)."""
     if connector == "kvproto":
         return {
             "kv_connector": "KvprotoConnector",
             "kv_connector_module_path": "kvproto_vllm.connector",
             "kv_role": role,
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"kv_lease_duration": lease_s},
+            "kv_connector_extra_config": {"kv_lease_duration": lease_s, **(extra or {})},
         }
     if connector == "stock":
         return {
             "kv_connector": "NixlConnector",
             "kv_role": role,
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {},
+            "kv_connector_extra_config": dict(extra or {}),
         }
     raise ValueError(f"unknown connector {connector!r}; choose from {', '.join(CONNECTORS)}")
 
@@ -133,7 +138,7 @@ def serve_argv(model: ModelSpec, engine: EngineSpec, kv_config: dict[str, Any] |
         "--max-model-len",
         str(model.max_model_len),
         "--max-num-seqs",
-        str(model.max_num_seqs),
+        str(engine.max_num_seqs or model.max_num_seqs),
         "--seed",
         "0",
     ]
@@ -283,15 +288,24 @@ class Proc:
             with contextlib.suppress(OSError, ValueError, IndexError):
                 stat = (entry / "stat").read_text()
                 # Fields after the ")" that closes comm: state ppid pgrp session ...
-                session = int(stat.rsplit(")", 1)[1].split()[3])
-                if session == self.pid:
+                fields = stat.rsplit(")", 1)[1].split()
+                # A zombie has exited (its parent has not reaped it yet): not running.
+                if fields[0] != "Z" and int(fields[3]) == self.pid:
                     pids.append(int(entry.name))
         return sorted(pids)
 
-    def kill(self) -> None:
-        """``kill -9`` of the whole tree: a crash, nothing gets to clean up."""
+    def kill(self, *, wait: bool = True) -> None:
+        """``kill -9`` of the whole tree: a crash, nothing gets to clean up.
+
+        With ``wait=False`` it returns right after the signal (a test measuring
+        what the peers notice starts its clock there); :meth:`wait_gone` reaps."""
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pid, signal.SIGKILL)
+        if wait:
+            self.wait_gone()
+
+    def wait_gone(self) -> None:
+        """Reap the tree after a kill."""
         self._reap(timeout=10.0)
 
     def stop(self, grace_s: float = 20.0) -> None:
@@ -397,6 +411,8 @@ class Deployment:
         router_metrics_port: int = 29000,
         lease_s: int = 30,
         extra_env: dict[str, str] | None = None,
+        router_extra: Sequence[str] = (),
+        connector_extra: dict[str, Any] | None = None,
     ) -> None:
         kv_transfer_config(connector, "kv_producer")  # unknown connector: fail before starting
         self.model = model
@@ -408,6 +424,8 @@ class Deployment:
         self.router_metrics_port = router_metrics_port
         self.lease_s = lease_s
         self.extra_env = dict(extra_env or {})
+        self.router_extra = list(router_extra)
+        self.connector_extra = dict(connector_extra or {})
         self.shim = vllm_cpu_shim(workdir)
         self.procs: dict[str, Proc] = {}
         self.startup_s: dict[str, float] = {}
@@ -422,7 +440,9 @@ class Deployment:
         kv = (
             None
             if engine.role is None
-            else kv_transfer_config(self.connector, engine.role, lease_s=self.lease_s)
+            else kv_transfer_config(
+                self.connector, engine.role, lease_s=self.lease_s, extra=self.connector_extra
+            )
         )
         env = engine_env(engine, shim=self.shim)
         env.update(self.extra_env)
@@ -434,14 +454,15 @@ class Deployment:
         for engine in [*self.prefill_specs, self.decode_spec]:
             argv, env = self.engine_command(engine)
             lines.append(shell_line(argv, env, SHOWN_ENV))
-        lines.append(
-            shlex.join(
-                router_argv(
-                    self.router_port, self.router_metrics_port, self.prefill_specs, self.decode_spec
-                )
-            )
-        )
+        lines.append(shlex.join(self.router_command()))
         return lines
+
+    def router_command(self) -> list[str]:
+        """argv of the router."""
+        argv = router_argv(
+            self.router_port, self.router_metrics_port, self.prefill_specs, self.decode_spec
+        )
+        return argv + self.router_extra
 
     def start(self) -> None:
         """Start every engine, wait until healthy, then start the router and wait for it."""
@@ -464,6 +485,16 @@ class Deployment:
             self.wait_engine(engine)
         return proc
 
+    def restart_dead(self) -> list[str]:
+        """Start again every engine whose process is gone (after a crash test); their names."""
+        dead = [
+            e for e in [*self.prefill_specs, self.decode_spec] if not self.procs[e.name].alive()
+        ]
+        for engine in dead:
+            self.procs[engine.name].wait_gone()
+            self.start_engine(engine)
+        return [e.name for e in dead]
+
     def wait_engine(self, engine: EngineSpec) -> None:
         """Block until ``engine`` answers /health."""
         proc = self.procs[engine.name]
@@ -471,10 +502,9 @@ class Deployment:
 
     def start_router(self) -> Proc:
         """Start vllm-router in front of the engines and wait until it answers."""
-        argv = router_argv(
-            self.router_port, self.router_metrics_port, self.prefill_specs, self.decode_spec
+        proc = Proc.start(
+            "router", self.router_command(), dict(os.environ), self.workdir / "router.log"
         )
-        proc = Proc.start("router", argv, dict(os.environ), self.workdir / "router.log")
         self.procs["router"] = proc
         self.startup_s["router"] = wait_healthy(proc, self.router_url, 60.0)
         return proc

