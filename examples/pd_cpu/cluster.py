@@ -27,6 +27,7 @@ import contextlib
 import importlib.metadata
 import json
 import os
+import random
 import shlex
 import shutil
 import signal
@@ -232,11 +233,28 @@ SHOWN_ENV = (
 # ---------------------------------------------------------------- processes
 
 
+#: Ports handed out by :func:`free_port`: below Linux's ephemeral range (32768-60999).
+_PORT_RANGE = (20000, 32000)
+
+
 def free_port() -> int:
-    """A TCP port free on loopback now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port free on loopback now, outside the kernel's ephemeral range.
+
+    A port the kernel chose (``bind(0)``) comes from the ephemeral range, which
+    the engines' own ZMQ and NIXL sockets draw from too: in one benchmark run a
+    decoder's side-channel port was taken by the prefill engine's ZMQ socket
+    between the pick and the bind, and the decoder never started."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(*_PORT_RANGE)
+        if port not in _handed_out and port_is_free(port):
+            _handed_out.add(port)
+            return port
+    raise DeploymentError(f"no free port in {_PORT_RANGE}")
+
+
+_handed_out: set[int] = set()
+"""Ports already given to a server of this process (free until it binds them)."""
 
 
 def port_is_free(port: int) -> bool:
