@@ -630,9 +630,14 @@ class Holder:
     def _on_done(self, now: float, session: _Session, claim: wire.Claim) -> None:
         self.stats.done_frames += 1
         lease = self._check_claim(session, claim)
+        # A done proves the claim as a heartbeat claim does: if it arrives first (the
+        # heartbeat carrying the claim was lost or delayed), _check_claim has just
+        # recorded this session as the first claimer of the live lease, and the done
+        # counts as claim + done. reader_tp is unset only when the lease ended before
+        # anyone claimed it: such a done is late (below), not of another TP layout.
         if lease is None:
             verdict = DoneVerdict.REFUSED
-        elif lease.reader_tp != session.tp_size:
+        elif lease.reader_tp and lease.reader_tp != session.tp_size:
             # A rank of another TP layout than the lease's consumers: it is not in
             # the expected set, so it never counts (and its read is not vouched for).
             self.stats.bad_rank_done += 1

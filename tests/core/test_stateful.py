@@ -581,6 +581,12 @@ class LeaseMachine(RuleBasedStateMachine):
                 assert len(readers) == self.READER_TP
                 assert all(r.completed for r in readers), lease
 
+    @invariant()
+    def no_done_is_taken_for_another_tp_layout(self) -> None:
+        """Every session here has one TP layout per engine, so ``bad_rank_done`` is never
+        right: a done that overtakes its claim claims, one after the end is LATE."""
+        assert self.holder.stats.bad_rank_done == 0
+
 
 SETTINGS = {
     "stateful_step_count": 60,
