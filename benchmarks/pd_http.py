@@ -35,9 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from examples.pd_cpu.client import Answer, RequestFailed, complete
 from examples.pd_cpu.cluster import (
     Deployment,
-    EngineSpec,
     ModelSpec,
     Proc,
+    baseline_spec,
+    default_layout,
     free_port,
     plain_engine,
 )
@@ -49,24 +50,6 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "stock-1t": ("stock", {"num_threads": 1}),
 }
 MAX_TOKENS = 16
-
-
-def _specs(cpus: list[int]) -> tuple[EngineSpec, EngineSpec]:
-    p = EngineSpec(
-        name="prefill-0",
-        role="kv_producer",
-        port=free_port(),
-        side_channel_port=free_port(),
-        cpus=str(cpus[0]),
-    )
-    d = EngineSpec(
-        name="decode-0",
-        role="kv_consumer",
-        port=free_port(),
-        side_channel_port=free_port(),
-        cpus=str(cpus[-1]),
-    )
-    return p, d
 
 
 def _threads(proc: Proc) -> dict[tuple[int, str], tuple[float, str]]:
@@ -129,14 +112,13 @@ def run_variant(
     concurrency: int,
 ) -> dict[str, Any]:
     connector, extra = VARIANTS[name]
-    cpus = sorted(os.sched_getaffinity(0))
-    p, d = _specs(cpus)
+    prefills, decode = default_layout(1, base_port=None)
     dep = Deployment(
         model,
         workdir / name,
         connector=connector,
-        prefills=[p],
-        decode=d,
+        prefills=prefills,
+        decode=decode,
         router_port=free_port(),
         router_metrics_port=free_port(),
         connector_extra=extra,
@@ -206,14 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="kvproto-pd-http-"))
     model = ModelSpec(path=build_tiny_llama(workdir / "model"))
     prompts = [f"load {i}: " + make_prompt(3 + i % 5) for i in range(args.requests)]
-    cpus = sorted(os.sched_getaffinity(0))
-    base_spec = EngineSpec(
-        name="baseline",
-        role=None,
-        port=free_port(),
-        side_channel_port=free_port(),
-        cpus=str(cpus[0]),
-    )
+    base_spec = baseline_spec()
     with plain_engine(model, workdir, base_spec):
         want = {
             p: complete(base_spec.url, str(model.path), p, max_tokens=MAX_TOKENS) for p in prompts

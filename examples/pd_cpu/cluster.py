@@ -394,34 +394,60 @@ def cpu_list() -> list[int]:
 
 
 def default_layout(
-    prefills: int = 1, *, base_port: int = 8100, side_base: int = 5600
+    prefills: int = 1,
+    *,
+    base_port: int | None = 8100,
+    side_base: int = 5600,
+    decode_seqs: int | None = None,
 ) -> tuple[list[EngineSpec], EngineSpec]:
-    """Prefill and decode engines on fixed ports, one core each where there are enough.
+    """Prefill and decode engines, one core each where there are enough.
 
-    Prefill engines share the first core, the decoder gets the last one: on
-    two cores a decoder that shares its core with a prefill engine stalls
-    while that engine computes prompts."""
+    Fixed ports from ``base_port`` (prefill ``base_port + i``, decode
+    ``base_port + 100``; side channels likewise from ``side_base``), or, with
+    ``base_port=None``, free ports (tests, benchmarks). Prefill engines share
+    the first core, the decoder gets the last one: on two cores a decoder that
+    shares its core with a prefill engine stalls while that engine computes
+    prompts. ``decode_seqs`` caps the decoder's running requests."""
     cpus = cpu_list()
-    prefill_cpu = str(cpus[0])
-    decode_cpu = str(cpus[-1])
-    prefill_specs = [
-        EngineSpec(
-            name=f"prefill-{i}",
-            role="kv_producer",
-            port=base_port + i,
-            side_channel_port=side_base + i,
-            cpus=prefill_cpu,
+
+    def ports(offset: int) -> tuple[int, int]:
+        if base_port is None:
+            return free_port(), free_port()
+        return base_port + offset, side_base + offset
+
+    prefill_specs = []
+    for i in range(prefills):
+        port, side = ports(i)
+        prefill_specs.append(
+            EngineSpec(
+                name=f"prefill-{i}",
+                role="kv_producer",
+                port=port,
+                side_channel_port=side,
+                cpus=str(cpus[0]),
+            )
         )
-        for i in range(prefills)
-    ]
+    port, side = ports(100)
     decode = EngineSpec(
         name="decode-0",
         role="kv_consumer",
-        port=base_port + 100,
-        side_channel_port=side_base + 100,
-        cpus=decode_cpu,
+        port=port,
+        side_channel_port=side,
+        cpus=str(cpus[-1]),
+        max_num_seqs=decode_seqs,
     )
     return prefill_specs, decode
+
+
+def baseline_spec() -> EngineSpec:
+    """A plain engine (no KV transfer) on free ports, OpenMP on the first core."""
+    return EngineSpec(
+        name="baseline",
+        role=None,
+        port=free_port(),
+        side_channel_port=free_port(),
+        cpus=str(cpu_list()[0]),
+    )
 
 
 class Deployment:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from examples.pd_cpu.cluster import EngineSpec, ModelSpec, free_port, plain_engine
+from examples.pd_cpu.cluster import ModelSpec, baseline_spec, plain_engine
 
 from .baseline import Baseline
 
@@ -88,14 +88,7 @@ def baseline(
 ) -> Iterator[Baseline]:
     """A plain (non-disaggregated) ``vllm serve``: the answers P/D must equal."""
     workdir = tmp_path_factory.mktemp("baseline")
-    cpus = sorted(os.sched_getaffinity(0))
-    engine = EngineSpec(
-        name="baseline",
-        role=None,
-        port=free_port(),
-        side_channel_port=free_port(),
-        cpus=str(cpus[0]),
-    )
+    engine = baseline_spec()
     with plain_engine(deploy_model, workdir, engine) as proc:
         yield Baseline(url=engine.url, model=str(deploy_model.path), proc=proc)
 

@@ -22,7 +22,6 @@ Lease duration 10 s (interval 1 s, extension 6 s) keeps the expiry waits short.
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from collections.abc import Iterator
@@ -32,7 +31,7 @@ from typing import Any
 import pytest
 
 from examples.pd_cpu.client import Answer, RequestFailed, chat, complete, metrics, prefill
-from examples.pd_cpu.cluster import Deployment, EngineSpec, ModelSpec, free_port
+from examples.pd_cpu.cluster import Deployment, ModelSpec, default_layout, free_port
 from examples.pd_cpu.tiny_model import make_prompt
 
 from .baseline import Baseline
@@ -50,37 +49,17 @@ OCCUPY_TOKENS = 2000
 HOLDER = "vllm:kvproto_holder_"
 
 
-def _specs() -> tuple[EngineSpec, EngineSpec]:
-    cpus = sorted(os.sched_getaffinity(0))
-    p = EngineSpec(
-        name="prefill-0",
-        role="kv_producer",
-        port=free_port(),
-        side_channel_port=free_port(),
-        cpus=str(cpus[0]),
-    )
-    d = EngineSpec(
-        name="decode-0",
-        role="kv_consumer",
-        port=free_port(),
-        side_channel_port=free_port(),
-        cpus=str(cpus[-1]),
-        max_num_seqs=DECODE_SEQS,
-    )
-    return p, d
-
-
 @pytest.fixture(scope="module")
 def pd_up(
     deploy_model: ModelSpec, baseline: Baseline, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Deployment]:
-    p, d = _specs()
+    prefills, decode = default_layout(1, base_port=None, decode_seqs=DECODE_SEQS)
     deployment = Deployment(
         deploy_model,
         tmp_path_factory.mktemp("pd-kvproto"),
         connector="kvproto",
-        prefills=[p],
-        decode=d,
+        prefills=prefills,
+        decode=decode,
         router_port=free_port(),
         router_metrics_port=free_port(),
         lease_s=LEASE_S,

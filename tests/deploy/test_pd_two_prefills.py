@@ -8,7 +8,6 @@ every lease on both ends DONE.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -16,7 +15,7 @@ from functools import partial
 import pytest
 
 from examples.pd_cpu.client import complete, metrics
-from examples.pd_cpu.cluster import Deployment, EngineSpec, ModelSpec, free_port
+from examples.pd_cpu.cluster import Deployment, ModelSpec, default_layout, free_port
 from examples.pd_cpu.tiny_model import make_prompt
 
 from .baseline import Baseline
@@ -32,24 +31,7 @@ REQUESTS = 8
 def pd2(
     deploy_model: ModelSpec, baseline: Baseline, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Deployment]:
-    cpus = sorted(os.sched_getaffinity(0))
-    prefills = [
-        EngineSpec(
-            name=f"prefill-{i}",
-            role="kv_producer",
-            port=free_port(),
-            side_channel_port=free_port(),
-            cpus=str(cpus[0]),
-        )
-        for i in range(2)
-    ]
-    decode = EngineSpec(
-        name="decode-0",
-        role="kv_consumer",
-        port=free_port(),
-        side_channel_port=free_port(),
-        cpus=str(cpus[-1]),
-    )
+    prefills, decode = default_layout(2, base_port=None)
     with Deployment(
         deploy_model,
         tmp_path_factory.mktemp("pd-two-prefills"),
