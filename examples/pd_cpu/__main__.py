@@ -133,7 +133,10 @@ def _demo(deployment: Deployment, count: int) -> None:
         if isinstance(answer, RequestFailed):
             print(f"  request {i}: FAILED {answer}")
         else:
-            print(f"  request {i}: {answer.total_s:.2f} s, tokens {list(answer.token_ids or [])}")
+            print(
+                f"  request {i}: {answer.total_s:.2f} s, {answer.text!r} "
+                f"(tokens {list(answer.token_ids or [])})"
+            )
     urls = {"prefill": deployment.prefill_specs[0].url, "decode": deployment.decode_spec.url}
     scraped = {role: metrics(url) for role, url in urls.items()}
     print("metrics:")
