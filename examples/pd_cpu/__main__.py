@@ -60,11 +60,15 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompts", type=int, default=4, help="demo requests to send")
     parser.add_argument("--router-port", type=int, default=8000)
     parser.add_argument("--base-port", type=int, default=8100, help="prefill 8100, decode +100")
+    parser.add_argument(
+        "--side-base", type=int, default=5600, help="side channels: prefill 5600, decode +100"
+    )
+    parser.add_argument("--router-metrics-port", type=int, default=29000)
     parser.add_argument("--serve", action="store_true", help="keep serving until Ctrl-C")
     return parser
 
 
-def _stop_on_sigterm(signum: int, frame: FrameType | None) -> None:
+def _stop_on_signal(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
@@ -77,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     model_dir = args.model or build_tiny_llama(workdir / "tiny-llama")
     model = ModelSpec(path=model_dir.resolve())
-    prefills, decode = default_layout(1, base_port=args.base_port)
+    prefills, decode = default_layout(1, base_port=args.base_port, side_base=args.side_base)
     deployment = Deployment(
         model,
         workdir,
@@ -85,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         prefills=prefills,
         decode=decode,
         router_port=args.router_port,
+        router_metrics_port=args.router_metrics_port,
     )
     if deployment.shim is not None:
         print(
@@ -95,8 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"workdir: {workdir} (server logs: *.log)\ncommands:")
     for line in deployment.commands():
         print("  " + line)
-    signal.signal(signal.SIGTERM, _stop_on_sigterm)
-    ports = [e.port for e in [*prefills, decode]] + [args.router_port]
+    # SIGINT explicitly too: a process started in the background by a shell inherits
+    # SIGINT ignored, and Python then installs no KeyboardInterrupt handler of its own.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _stop_on_signal)
+    ports = [e.port for e in [*prefills, decode]] + [args.router_port, args.router_metrics_port]
     try:
         deployment.start()
         started = ", ".join(f"{k} {v:.0f} s" for k, v in deployment.startup_s.items())
