@@ -119,22 +119,51 @@ class Pair:
             for lease in h._leases.values()
         )
         sessions = tuple(
-            (peer, s.serial, s.engine, s.deadline, s.count, s.digest, s.up, s.down, s.attempt,
-             sorted(s.leases))
+            (
+                peer,
+                s.serial,
+                s.engine,
+                s.deadline,
+                s.count,
+                s.digest,
+                s.up,
+                s.down,
+                s.attempt,
+                sorted(s.leases),
+            )
             for peer, s in h._sessions.items()
         )
         requests = tuple(
-            (rid, req.failed, req.confirmed, tuple(
-                (p.rank, p.state, p.lower_bound, p.claimed_seq, p.early_held, p.ack_deadline)
-                for p in req.parts.values()
-            ))
+            (
+                rid,
+                req.failed,
+                req.confirmed,
+                tuple(
+                    (p.rank, p.state, p.lower_bound, p.claimed_seq, p.early_held, p.ack_deadline)
+                    for p in req.parts.values()
+                ),
+            )
             for rid, req in r._requests.items()
         )
         r_sessions = tuple(
-            (key, s.state, s.peer, s.up, s.down, s.nonce, s.incarnation, s.seq, s.next_beat,
-             s.count, s.digest,
-             tuple(s.pending_claims), tuple(s.pending_aborts), s.want_full, s.in_sync_seq,
-             s.in_sync_since)
+            (
+                key,
+                s.state,
+                s.peer,
+                s.up,
+                s.down,
+                s.nonce,
+                s.incarnation,
+                s.seq,
+                s.next_beat,
+                s.count,
+                s.digest,
+                tuple(s.pending_claims),
+                tuple(s.pending_aborts),
+                s.want_full,
+                s.in_sync_seq,
+                s.in_sync_since,
+            )
             for key, s in r._sessions.items()
         )
         return leases, sessions, len(h._lease_heap), requests, r_sessions, len(r._out), len(h._out)

@@ -40,7 +40,11 @@ def seeds() -> list[bytes]:
         ),
         wire.encode(
             wire.HandshakeReply(
-                nonce=bytes(16), ok=True, rank=0, compat_hash=b"h" * 32, metadata=b"m" * 64,
+                nonce=bytes(16),
+                ok=True,
+                rank=0,
+                compat_hash=b"h" * 32,
+                metadata=b"m" * 64,
                 server_time=1.5,
             )
         ),

@@ -42,12 +42,20 @@ def seeds() -> list[bytes]:
         BlockLayout(region_addrs=(4096, 8192), block_lens=(64, 64), num_blocks=4)
     )
     nixl = nixl_wire.EndpointMetadata(
-        kind=nixl_wire.WIRE_KIND, version=nixl_wire.WIRE_VERSION, agent_name="P-1",
-        agent_metadata=b"agent", layout=layout,
+        kind=nixl_wire.WIRE_KIND,
+        version=nixl_wire.WIRE_VERSION,
+        agent_name="P-1",
+        agent_metadata=b"agent",
+        layout=layout,
     )
     ucx = ucx_wire.UcxMetadata(
-        kind=ucx_wire.WIRE_KIND, version=ucx_wire.WIRE_VERSION, peer="D-1", incarnation=3,
-        worker_address=b"addr", rkeys=(b"k0", b"k1"), layout=layout,
+        kind=ucx_wire.WIRE_KIND,
+        version=ucx_wire.WIRE_VERSION,
+        peer="D-1",
+        incarnation=3,
+        worker_address=b"addr",
+        rkeys=(b"k0", b"k1"),
+        layout=layout,
     )
     return [
         nixl_wire.encode_metadata(nixl),

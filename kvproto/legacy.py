@@ -75,12 +75,7 @@ def parse(data: bytes) -> LegacyFrame:
 
 def _check_id(request_id: str) -> None:
     # "HB" alone is refused too: its completion frame "HB:n" reads as a heartbeat.
-    if (
-        not request_id
-        or "," in request_id
-        or request_id.startswith("HB:")
-        or request_id == "HB"
-    ):
+    if not request_id or "," in request_id or request_id.startswith("HB:") or request_id == "HB":
         raise LocalProtocolError(f"request id {request_id!r} cannot travel in a legacy frame")
     try:
         request_id.encode("utf-8")

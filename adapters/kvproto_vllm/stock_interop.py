@@ -120,7 +120,10 @@ class StockHandshakeListener:
             self._ctx.term()
             raise
         self.port = port
-        log.warning("accept_legacy on: stock HB:/id:n frames are UNAUTHENTICATED (any peer can renew or finish a legacy lease)")  # noqa: E501
+        log.warning(
+            "accept_legacy on: stock HB:/id:n frames are UNAUTHENTICATED "
+            "(any peer can renew or finish a legacy lease)"
+        )
         self._thread = threading.Thread(
             target=self._run, name=f"kvproto-stock-handshake-{port}", daemon=True
         )

@@ -109,8 +109,10 @@ class AliasIds(Wrapper):
         return super().read_blocks(peer.removeprefix("alias:"), **kw)  # type: ignore[arg-type]
 
     def poll(self) -> Sequence[TransportEvent]:
-        return [PeerLost(peer="alias:" + e.peer, reason=e.reason) if isinstance(e, PeerLost)
-                else e for e in self.inner.poll()]
+        return [
+            PeerLost(peer="alias:" + e.peer, reason=e.reason) if isinstance(e, PeerLost) else e
+            for e in self.inner.poll()
+        ]
 
 
 class UnstableIds(Wrapper):
@@ -296,8 +298,12 @@ class MisattributesFanIn(Wrapper):
         if len(senders) < 2:
             return got
         swap = {senders[0]: senders[1], senders[1]: senders[0]}
-        return [Received(peer=swap.get(e.peer, e.peer), payload=e.payload)
-                if isinstance(e, Received) else e for e in got]
+        return [
+            Received(peer=swap.get(e.peer, e.peer), payload=e.payload)
+            if isinstance(e, Received)
+            else e
+            for e in got
+        ]
 
 
 class BlocksOnBacklog(Wrapper):
@@ -332,18 +338,19 @@ class DoubleCompletion(Wrapper):
 class IgnoresRemoteSlice(Wrapper):
     """Reads the mirror-image slice of each remote block."""
 
-    def read_blocks(self, peer: PeerId, *, remote_slice: BlockSlice = BlockSlice.FULL,
-                    **kw: object) -> ReadId:
-        flipped = BlockSlice(index=remote_slice.parts - 1 - remote_slice.index,
-                             parts=remote_slice.parts)
+    def read_blocks(
+        self, peer: PeerId, *, remote_slice: BlockSlice = BlockSlice.FULL, **kw: object
+    ) -> ReadId:
+        flipped = BlockSlice(
+            index=remote_slice.parts - 1 - remote_slice.index, parts=remote_slice.parts
+        )
         return super().read_blocks(peer, remote_slice=flipped, **kw)  # type: ignore[arg-type]
 
 
 class ClampsRange(Wrapper):
     """Clamps remote block ids past the holder's layout to its last block."""
 
-    def read_blocks(self, peer: PeerId, *, remote_blocks: Sequence[int],
-                    **kw: object) -> ReadId:
+    def read_blocks(self, peer: PeerId, *, remote_blocks: Sequence[int], **kw: object) -> ReadId:
         holder = self.group.net.current(peer)
         layout = holder.layout if holder is not None else None
         if layout is not None:
@@ -403,9 +410,12 @@ class MasksDeadPeerReads(Wrapper):
     """A read that failed because the holder died is reported completed."""
 
     def poll(self) -> Sequence[TransportEvent]:
-        return [ReadCompleted(read_id=e.read_id)
-                if isinstance(e, ReadFailed) and "dead" in e.reason else e
-                for e in self.inner.poll()]
+        return [
+            ReadCompleted(read_id=e.read_id)
+            if isinstance(e, ReadFailed) and "dead" in e.reason
+            else e
+            for e in self.inner.poll()
+        ]
 
 
 class OverReportsLoss(Wrapper):
@@ -461,9 +471,11 @@ class BrokenGroup(LoopbackGroup):
 def broken_factory(flaw: type[Wrapper]) -> TransportFactory:
     # Fewer resource cycles keep 30 full runs fast; the leak rate is per cycle, so the
     # leaking transport is still caught, and the healthy ones stay far below the bound.
-    return TransportFactory(name=f"broken-{flaw.__name__}",
-                            create_group=lambda n: BrokenGroup(n, flaw),
-                            resource_cycles=4000)
+    return TransportFactory(
+        name=f"broken-{flaw.__name__}",
+        create_group=lambda n: BrokenGroup(n, flaw),
+        resource_cycles=4000,
+    )
 
 
 # flaw -> the cases that must FAIL (and nothing else may)

@@ -36,18 +36,29 @@ from kvproto_transports.loopback import LoopbackGroup
 def result(
     case_id: str, level: Level, verdict: Verdict, measured: float | None = None
 ) -> CaseResult:
-    return CaseResult(id=case_id, title=f"title {case_id}", group="Notifications", level=level,
-                      verdict=verdict, detail=f"detail <{case_id}> & more", measured=measured,
-                      duration_s=0.01)
+    return CaseResult(
+        id=case_id,
+        title=f"title {case_id}",
+        group="Notifications",
+        level=level,
+        verdict=verdict,
+        detail=f"detail <{case_id}> & more",
+        measured=measured,
+        duration_s=0.01,
+    )
 
 
-REPORT = Report(transport="demo", strict=False, cases=(
-    result("T2.1", Level.MUST, Verdict.PASS),
-    result("T2.2", Level.MUST, Verdict.FAIL, 3.0),
-    result("T2.3", Level.SHOULD, Verdict.NON_STRICT),
-    result("T2.4", Level.MUST, Verdict.UNSUPPORTED),
-    result("T2.5", Level.MUST, Verdict.INFO, 0.25),
-))
+REPORT = Report(
+    transport="demo",
+    strict=False,
+    cases=(
+        result("T2.1", Level.MUST, Verdict.PASS),
+        result("T2.2", Level.MUST, Verdict.FAIL, 3.0),
+        result("T2.3", Level.SHOULD, Verdict.NON_STRICT),
+        result("T2.4", Level.MUST, Verdict.UNSUPPORTED),
+        result("T2.5", Level.MUST, Verdict.INFO, 0.25),
+    ),
+)
 
 
 def test_json_has_exactly_the_documented_shape() -> None:
@@ -59,9 +70,14 @@ def test_json_has_exactly_the_documented_shape() -> None:
         assert case["level"] in {"MUST", "SHOULD", "INFO"}
         assert case["verdict"] in {"PASS", "NON-STRICT", "FAIL", "INFO", "UNSUPPORTED"}
         assert case["measured"] is None or isinstance(case["measured"], float)
-    assert doc["cases"][1] == {"id": "T2.2", "title": "title T2.2", "level": "MUST",
-                               "verdict": "FAIL", "detail": "detail <T2.2> & more",
-                               "measured": 3.0}
+    assert doc["cases"][1] == {
+        "id": "T2.2",
+        "title": "title T2.2",
+        "level": "MUST",
+        "verdict": "FAIL",
+        "detail": "detail <T2.2> & more",
+        "measured": 3.0,
+    }
     assert doc["summary"] == {"PASS": 1, "NON-STRICT": 1, "FAIL": 1, "INFO": 1, "UNSUPPORTED": 1}
     assert REPORT.failed
 
@@ -94,8 +110,14 @@ def test_cases_are_numbered_grouped_and_documented() -> None:
     assert ids[0] == "T0.1" and ids[-1].startswith("T5.")
     for c in cases:
         assert c.requirement and c.protects and c.title
-        assert c.group in {"Declarations", "Identity and lifecycle", "Notifications", "Reads",
-                           "Peer failure", "Resources"}
+        assert c.group in {
+            "Declarations",
+            "Identity and lifecycle",
+            "Notifications",
+            "Reads",
+            "Peer failure",
+            "Resources",
+        }
 
 
 def test_loopback_is_discovered_through_the_entry_point_group() -> None:
@@ -106,15 +128,37 @@ def test_loopback_is_discovered_through_the_entry_point_group() -> None:
         load_factory("no-such-transport")
 
 
-def test_cli_runs_the_suite_and_writes_both_reports(tmp_path: Path,
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_runs_the_suite_and_writes_both_reports(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out_json, out_xml = tmp_path / "out.json", tmp_path / "out.xml"
-    code = cli.main(["--transport", "loopback", "--json", str(out_json),
-                     "--junit", str(out_xml), "--case", "T1", "--case", "T3.2"])
+    code = cli.main(
+        [
+            "--transport",
+            "loopback",
+            "--json",
+            str(out_json),
+            "--junit",
+            str(out_xml),
+            "--case",
+            "T1",
+            "--case",
+            "T3.2",
+        ]
+    )
     assert code == 0
     doc = json.loads(out_json.read_text())
     assert [c["id"] for c in doc["cases"]] == [
-        "T1.1", "T1.2", "T1.3", "T1.4", "T1.5", "T1.6", "T1.7", "T1.8", "T3.2"]
+        "T1.1",
+        "T1.2",
+        "T1.3",
+        "T1.4",
+        "T1.5",
+        "T1.6",
+        "T1.7",
+        "T1.8",
+        "T3.2",
+    ]
     assert doc["summary"]["PASS"] == 9
     assert ET.parse(out_xml).getroot().get("tests") == "9"
     assert "T3.2" in capsys.readouterr().out
@@ -152,17 +196,22 @@ def test_cli_exits_1_when_a_must_case_fails_for_a_third_party_entry_point(
     module.factory = lambda: TransportFactory(name="third", create_group=DropsEmpty)  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, module.__name__, module)
     real = importlib.metadata.entry_points
-    monkeypatch.setattr(discovery, "entry_points", lambda group: [
-        *real(group=group),
-        EntryPoint(name="third", value=f"{module.__name__}:factory", group=group),
-    ])
+    monkeypatch.setattr(
+        discovery,
+        "entry_points",
+        lambda group: [
+            *real(group=group),
+            EntryPoint(name="third", value=f"{module.__name__}:factory", group=group),
+        ],
+    )
     assert cli.main(["--transport", "third", "--case", "T2.2"]) == 1
     assert "FAIL" in capsys.readouterr().out
 
 
 def test_strict_is_reported_and_changes_exit_status() -> None:
-    strict = Report(transport="demo", strict=True,
-                    cases=(result("T1.6", Level.SHOULD, Verdict.FAIL),))
+    strict = Report(
+        transport="demo", strict=True, cases=(result("T1.6", Level.SHOULD, Verdict.FAIL),)
+    )
     assert strict.failed and strict.summary["FAIL"] == 1
 
 
@@ -179,7 +228,6 @@ def test_host_memory_gives_real_addresses_with_real_bytes() -> None:
         mem.write_block(layout, 0, 0, b"short")
     with pytest.raises(IndexError):
         mem.read_block(layout, 0, 3)
-
 
 
 def test_the_authors_guide_documents_every_case() -> None:

@@ -83,8 +83,9 @@ class WallClockLoopback(RealTimeGroup):
 
     def __init__(self, size: int) -> None:
         self.t0 = time.monotonic()
-        self.net = LoopbackNetwork(detection_delay=0.05, read_bandwidth=1e9,
-                                   default_link=LinkFaults(delay=50e-6))
+        self.net = LoopbackNetwork(
+            detection_delay=0.05, read_bandwidth=1e9, default_link=LinkFaults(delay=50e-6)
+        )
         self.eps: list[LoopbackTransport] = [self.net.endpoint(f"w{i}") for i in range(size)]
 
     @property
@@ -95,12 +96,14 @@ class WallClockLoopback(RealTimeGroup):
         super().wait(max_s)  # sleeps; then the "hardware" catches up with the wall clock
         self.net.advance(max(self.net.now, time.monotonic() - self.t0))
 
-    def allocate(self, index: int, *, num_regions: int, block_len: int,
-                 num_blocks: int) -> BlockLayout:
+    def allocate(
+        self, index: int, *, num_regions: int, block_len: int, num_blocks: int
+    ) -> BlockLayout:
         return self.eps[index].allocate_layout(num_regions, block_len, num_blocks)
 
-    def write_block(self, index: int, layout: BlockLayout, region: int, block: int,
-                    data: bytes) -> None:
+    def write_block(
+        self, index: int, layout: BlockLayout, region: int, block: int, data: bytes
+    ) -> None:
         self.eps[index].write_block(region, block, data, layout=layout)
 
     def read_block(self, index: int, layout: BlockLayout, region: int, block: int) -> bytes:
@@ -119,9 +122,14 @@ class WallClockLoopback(RealTimeGroup):
 
 def test_the_kit_drives_a_wall_clock_transport_by_waiting() -> None:
     # Generous slack: on a loaded CI machine a 1 ms sleep can overshoot a lot.
-    factory = TransportFactory(name="loopback-wall", create_group=WallClockLoopback,
-                               timeout_s=5.0, settle_s=0.02, detection_slack_s=0.5,
-                               resource_cycles=2000)
+    factory = TransportFactory(
+        name="loopback-wall",
+        create_group=WallClockLoopback,
+        timeout_s=5.0,
+        settle_s=0.02,
+        detection_slack_s=0.5,
+        resource_cycles=2000,
+    )
     t0 = time.monotonic()
     report = run_conformance(factory)
     assert report.by_verdict(Verdict.FAIL) == [], [
@@ -130,4 +138,3 @@ def test_the_kit_drives_a_wall_clock_transport_by_waiting() -> None:
     detected = report.case("T4.1").measured
     assert detected is not None and 0.05 <= detected < 0.55  # real seconds this time
     assert time.monotonic() - t0 < 60
-

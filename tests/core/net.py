@@ -405,9 +405,7 @@ class Net:
     def freed_leases(self, holder: str | None = None) -> list[tuple[float, int, str]]:
         """(true time, lease, reason) of every FreeBlocks, optionally of one holder."""
         return [
-            (t, f.lease, f.reason.name)
-            for t, h, f in self.freed
-            if holder is None or h == holder
+            (t, f.lease, f.reason.name) for t, h, f in self.freed if holder is None or h == holder
         ]
 
     def failures(self, reader: str | None = None) -> list[tuple[float, str, str]]:

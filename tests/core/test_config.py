@@ -122,7 +122,9 @@ def test_extension_always_exceeds_interval_when_interval_is_positive() -> None:
     # d // 6 >= 1 (d >= 6), d * 2 // 3 >= 4 > d // 6. The check guards the invariant anyway.
     for d in [6, 6.0, 7.5, 11.99, 12, 1e9]:
         c = LeaseConfig(
-            kv_lease_duration=d, decoder_kv_blocks_ttl=max(d, 480), max_hold=max(d, 1800),
+            kv_lease_duration=d,
+            decoder_kv_blocks_ttl=max(d, 480),
+            max_hold=max(d, 1800),
             read_margin=1,
         )
         assert c.lease_extension > c.heartbeat_interval

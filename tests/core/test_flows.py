@@ -248,8 +248,8 @@ def test_lost_heartbeats_within_margin_keep_the_lease() -> None:
 def test_lost_heartbeats_beyond_margin_expire_and_reader_learns() -> None:
     net = one_pair()
     lease = granted(net)
-    net.frame_filter = lambda s, d, p: not (
-        isinstance(wire.decode(p), wire.Heartbeat) and 5.0 <= net.now <= 25.0
+    net.frame_filter = lambda s, d, p: (
+        not (isinstance(wire.decode(p), wire.Heartbeat) and 5.0 <= net.now <= 25.0)
     )
     net.run_until(40.0)
     assert net.freed_leases() == [(30.0, lease, "EXPIRED")]
@@ -441,7 +441,7 @@ def test_tickets_of_the_restarted_holder_work(peer_lost_reported: bool) -> None:
     fresh = granted(net, "new")
     net.run_until(9.0)
     assert net.failures("D0")[0][1:] in (("old", "HOLDER_RESTARTED"), ("old", "LEASE_LOST"))
-    assert ("new" not in {rid for _, rid, _ in net.failures("D0")})
+    assert "new" not in {rid for _, rid, _ in net.failures("D0")}
     assert net.holder("P0").lease_state(fresh) is LeaseState.HELD
     # The old process's clock sample is gone: the new ticket's bound is sane.
     bound = net.reader("D0").deadline_bound(net.local("D0"), "new")

@@ -53,7 +53,8 @@ def imported_names(tree: ast.AST) -> set[str]:
         elif (
             isinstance(node, ast.Call)
             and isinstance(node.func, (ast.Name, ast.Attribute))
-            and getattr(node.func, "attr", getattr(node.func, "id", "")) in {
+            and getattr(node.func, "attr", getattr(node.func, "id", ""))
+            in {
                 "__import__",
                 "import_module",
             }

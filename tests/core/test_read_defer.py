@@ -73,9 +73,7 @@ def test_a_retry_after_the_bounded_wait_declines_without_the_timer() -> None:
     assert isinstance(pair.reader.begin_read(36.0, "r1"), ReadDeferred)
     pair.collect(36.0)
     pair.to_holder.clear()
-    assert pair.reader.begin_read(41.0, "r1") == ReadDeclined(
-        reason=FailReason.DEADLINE_TOO_CLOSE
-    )
+    assert pair.reader.begin_read(41.0, "r1") == ReadDeclined(reason=FailReason.DEADLINE_TOO_CLOSE)
 
 
 @pytest.mark.parametrize("overdue_beat_first", [False, True])
@@ -88,18 +86,14 @@ def test_a_lapsed_lease_still_declines_at_once(overdue_beat_first: bool) -> None
         # The binding runs the reader's timer before the read: the overdue heartbeat
         # leaves at 45, after the lease ended, so it cannot have renewed it.
         pair.reader.handle_timer(45.0)
-    assert pair.reader.begin_read(45.0, "r1") == ReadDeclined(
-        reason=FailReason.DEADLINE_TOO_CLOSE
-    )
+    assert pair.reader.begin_read(45.0, "r1") == ReadDeclined(reason=FailReason.DEADLINE_TOO_CLOSE)
     assert pair.reader.stats.deferred == 0
 
 
 def test_max_hold_within_the_margin_declines_at_once() -> None:
     pair = stalled_pair(LeaseConfig(max_hold=40.0, decoder_kv_blocks_ttl=30.0))
     # Renewing cannot help: the holder's hard cap ends the lease at 40 whatever we send.
-    assert pair.reader.begin_read(36.0, "r1") == ReadDeclined(
-        reason=FailReason.DEADLINE_TOO_CLOSE
-    )
+    assert pair.reader.begin_read(36.0, "r1") == ReadDeclined(reason=FailReason.DEADLINE_TOO_CLOSE)
     assert pair.reader.stats.deferred == 0
 
 
@@ -117,9 +111,7 @@ def test_one_deferral_per_request() -> None:
     pair.to_reader.clear()
     for frame in acks:  # the answer is slow: bound 30 + 19.99 < 41 + 10
         pair.reader.handle_frame(41.0, HOLDER, frame)
-    assert pair.reader.begin_read(41.0, "r1") == ReadDeclined(
-        reason=FailReason.DEADLINE_TOO_CLOSE
-    )
+    assert pair.reader.begin_read(41.0, "r1") == ReadDeclined(reason=FailReason.DEADLINE_TOO_CLOSE)
     assert pair.reader.stats.deferred == 1 and pair.reader.stats.declined == 1
     with pytest.raises(LocalProtocolError):
         read_next(ReadState.DEFERRED, ReadInput.DEFER)

@@ -11,4 +11,3 @@ SPEC = Path(__file__).resolve().parents[2] / "spec" / "state-tables.md"
 
 def test_committed_state_tables_match_the_code() -> None:
     assert SPEC.read_text() == render(), "run: python -m kvproto.diagrams > spec/state-tables.md"
-

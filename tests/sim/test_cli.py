@@ -21,8 +21,21 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_json_has_exactly_the_documented_shape(tmp_path: Path) -> None:
     out = tmp_path / "runs.json"
-    code = cli.main(["simulate", "--scenario", "normal", "--policy", "all", "--seeds", "2",
-                     "--jobs", "1", "--json", str(out)])
+    code = cli.main(
+        [
+            "simulate",
+            "--scenario",
+            "normal",
+            "--policy",
+            "all",
+            "--seeds",
+            "2",
+            "--jobs",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
     assert code == 0
     doc = json.loads(out.read_text())
     assert list(doc) == ["runs"]
@@ -36,14 +49,27 @@ def test_json_has_exactly_the_documented_shape(tmp_path: Path) -> None:
         assert isinstance(m["dead_block_seconds"], float)
         for key in METRIC_KEYS[2:]:
             assert isinstance(m[key], int)
-    assert [(r["policy"], r["seed"]) for r in doc["runs"][:2]] == [("fixed-480", 0),
-                                                                    ("fixed-480", 1)]
+    assert [(r["policy"], r["seed"]) for r in doc["runs"][:2]] == [
+        ("fixed-480", 0),
+        ("fixed-480", 1),
+    ]
 
 
 def test_table_plot_and_conclusions(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     png = tmp_path / "held.png"
-    code = cli.main(["simulate", "--scenario", "decode-crash", "--policy", "fixed-480,kvproto",
-                     "--jobs", "1", "--plot", str(png)])
+    code = cli.main(
+        [
+            "simulate",
+            "--scenario",
+            "decode-crash",
+            "--policy",
+            "fixed-480,kvproto",
+            "--jobs",
+            "1",
+            "--plot",
+            str(png),
+        ]
+    )
     assert code == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = capsys.readouterr().out
@@ -56,8 +82,19 @@ def test_kvproto_violation_fails_the_command_and_prints_the_replay(
 ) -> None:
     broken = dataclasses.replace(_policy(side=_DoubleFreeSide), name="kvproto")
     monkeypatch.setitem(POLICIES, "kvproto", broken)
-    code = cli.main(["simulate", "--scenario", "decode-overload", "--policy", "kvproto",
-                     "--seed", "0", "--jobs", "1"])
+    code = cli.main(
+        [
+            "simulate",
+            "--scenario",
+            "decode-overload",
+            "--policy",
+            "kvproto",
+            "--seed",
+            "0",
+            "--jobs",
+            "1",
+        ]
+    )
     text = capsys.readouterr().out
     assert code == 1
     assert "S4 double free" in text
@@ -66,17 +103,16 @@ def test_kvproto_violation_fails_the_command_and_prints_the_replay(
 
 
 def test_baseline_failures_do_not_fail_the_command(capsys: pytest.CaptureFixture[str]) -> None:
-    code = cli.main(["simulate", "--scenario", "decode-overload", "--policy", "fixed-short",
-                     "--jobs", "1"])
+    code = cli.main(
+        ["simulate", "--scenario", "decode-overload", "--policy", "fixed-short", "--jobs", "1"]
+    )
     assert code == 0
     assert "S1 use after free" in capsys.readouterr().out
 
 
 def test_default_is_every_scenario_and_the_shipped_policies() -> None:
     args = cli.build_parser().parse_args(["simulate"])
-    assert cli._names(args.scenario, list(SCENARIOS), DEFAULT_SET, "--scenario") == list(
-        SCENARIOS
-    )
+    assert cli._names(args.scenario, list(SCENARIOS), DEFAULT_SET, "--scenario") == list(SCENARIOS)
     policies = cli._names(args.policy, list(POLICIES), DEFAULT_POLICIES, "--policy")
     assert policies == ["fixed-480", "fixed-short", "vllm-lease", "kvproto"]
     # The historical release runs only when asked for.
@@ -94,16 +130,26 @@ def test_delegation(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_python_dash_m_is_the_same_command() -> None:
-    out = subprocess.run([sys.executable, "-m", "kvproto_tools", "simulate", "--help"],
-                         check=True, cwd=ROOT, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "kvproto_tools", "simulate", "--help"],
+        check=True,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    ).stdout
     assert "--scenario" in out and "--liveness" in out
 
 
 @pytest.mark.slow
 def test_the_readme_command_runs_everything() -> None:
     """``kvproto simulate`` with no arguments: every scenario, the four shipped policies."""
-    out = subprocess.run([sys.executable, "-m", "kvproto_tools", "simulate"], check=True,
-                         cwd=ROOT, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "kvproto_tools", "simulate"],
+        check=True,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    ).stdout
     assert f"= {len(SCENARIOS) * len(DEFAULT_POLICIES)} run(s)" in out
     for scenario in SCENARIOS:
         assert f"{scenario} - " in out  # its conclusion line

@@ -48,10 +48,26 @@ def test_replay_across_processes_and_hash_seeds(tmp_path: Path) -> None:
         out = tmp_path / f"runs{hash_seed}.json"
         env = {**os.environ, "PYTHONHASHSEED": hash_seed}
         subprocess.run(
-            [sys.executable, "-m", "kvproto_tools", "simulate", "--scenario",
-             "lossy,prefill-restart", "--policy", "kvproto,vllm-lease", "--seed", "9",
-             "--jobs", "1", "--json", str(out)],
-            check=True, env=env, cwd=ROOT, capture_output=True,
+            [
+                sys.executable,
+                "-m",
+                "kvproto_tools",
+                "simulate",
+                "--scenario",
+                "lossy,prefill-restart",
+                "--policy",
+                "kvproto,vllm-lease",
+                "--seed",
+                "9",
+                "--jobs",
+                "1",
+                "--json",
+                str(out),
+            ],
+            check=True,
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
         )
         outputs.append(out.read_text())
     assert outputs[0] == outputs[1]

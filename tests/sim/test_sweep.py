@@ -15,15 +15,23 @@ SEEDS = 200
 @pytest.mark.slow
 def test_200_seeds_across_fault_scenarios_without_a_violation() -> None:
     tasks = [
-        Task(scenario=FAULT_SCENARIOS[i % len(FAULT_SCENARIOS)], policy="kvproto",
-             seed=10_000 + i, liveness=True)
+        Task(
+            scenario=FAULT_SCENARIOS[i % len(FAULT_SCENARIOS)],
+            policy="kvproto",
+            seed=10_000 + i,
+            liveness=True,
+        )
         for i in range(SEEDS)
     ]
     results = sweep(tasks, jobs=os.cpu_count())
     bad = [r for r in results if r.violations or r.liveness]
     assert not bad, [
-        (r.scenario, r.seed, (r.violations + r.liveness)[0].kind,
-         (r.violations + r.liveness)[0].detail)
+        (
+            r.scenario,
+            r.seed,
+            (r.violations + r.liveness)[0].kind,
+            (r.violations + r.liveness)[0].detail,
+        )
         for r in bad
     ]
     assert sum(r.metrics["overlapped_reads"] or 0 for r in results) == 0

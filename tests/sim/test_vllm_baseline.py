@@ -73,7 +73,10 @@ def test_raw_counting_frees_on_a_duplicated_completion() -> None:
 def test_defaults_are_vllm_0_32() -> None:
     c = VllmLeaseConfig()
     assert (c.reaper, c.clock_sync, c.decoder_kv_blocks_ttl, c.turn2_margin) == (
-        "full-scan", True, 480, 5.0
+        "full-scan",
+        True,
+        480,
+        5.0,
     )
     # The full scan frees an expired lease behind a heartbeated head at once and counts it.
     h = VllmLeaseHolder()
@@ -137,7 +140,7 @@ def test_the_rules_are_those_of_the_installed_vllm() -> None:
     worker = _vllm_nixl_source("base_worker.py")
     pull = _vllm_nixl_source("pull_worker.py")
     scheduler = _vllm_nixl_source("base_scheduler.py")
-    reap = worker[worker.index("def _reap_expired_send_leases"):]
+    reap = worker[worker.index("def _reap_expired_send_leases") :]
     reap = reap[: reap.index("\n    def ")]
     assert "Scan every entry" in reap and "break" not in reap  # full scan, not head-stop
     assert "if now >= expires" in reap and "record_kv_expired_req()" in reap
@@ -147,7 +150,7 @@ def test_the_rules_are_those_of_the_installed_vllm() -> None:
     assert 'hb_msg = ("HB:" + ",".join(hb_info.req_ids)).encode()' in worker
     assert "_KV_BLOCKS_EXPIRY_SAFETY_MARGIN = 5.0" in pull
     assert "deadline = blocks_expiry_time - clock_offset" in pull  # clock_sync=True
-    notifs = pull[pull.index("def _get_new_notifs"):]
+    notifs = pull[pull.index("def _get_new_notifs") :]
     assert "record_notification_after_expiry()" in notifs
     # Raw counting: the count of notifications, not of distinct consumers, is compared.
     assert re.search(r"consumer_notification_counts_by_req\[req_id\] \+= 1", notifs)

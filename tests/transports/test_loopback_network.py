@@ -313,5 +313,7 @@ def test_a_crash_may_be_noticed_sooner_or_later_than_the_default() -> None:
     while (t := net.next_event_time()) is not None:
         net.advance(t)
         events += [(t, e) for e in a.poll()]
-    assert events == [(0.1, PeerLost(peer="B#1", reason="crashed")),
-                      (1.0, PeerLost(peer="C#1", reason="crashed"))]
+    assert events == [
+        (0.1, PeerLost(peer="B#1", reason="crashed")),
+        (1.0, PeerLost(peer="C#1", reason="crashed")),
+    ]

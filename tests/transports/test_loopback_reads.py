@@ -92,16 +92,26 @@ def test_sliced_reads_follow_tpmath() -> None:
     h1.write_block(0, 1, b"\x02" * 32)
     for rank, holder in enumerate((h0, h1)):
         ls, rs = read_slices(0, 1, 2, rank)  # reader TP 1, holder TP 2
-        rd.read_blocks(rd.add_peer(holder.metadata()), local_blocks=[0], remote_blocks=[1],
-                       local_slice=ls, remote_slice=rs)
+        rd.read_blocks(
+            rd.add_peer(holder.metadata()),
+            local_blocks=[0],
+            remote_blocks=[1],
+            local_slice=ls,
+            remote_slice=rs,
+        )
     net.settle()
     assert rd.read_block(0, 0) == b"\x01" * 32 + b"\x02" * 32
     # and the other way: a reader of TP 2 (rank 1) reads the second half of a whole block
     small = net.endpoint("S")
     small.register_blocks(small.allocate_layout(1, 32, 2))
     ls, rs = read_slices(1, 2, 1, 0)
-    small.read_blocks(small.add_peer(rd.metadata()), local_blocks=[1], remote_blocks=[0],
-                      local_slice=ls, remote_slice=rs)
+    small.read_blocks(
+        small.add_peer(rd.metadata()),
+        local_blocks=[1],
+        remote_blocks=[0],
+        local_slice=ls,
+        remote_slice=rs,
+    )
     net.settle()
     assert small.read_block(0, 1) == b"\x02" * 32
 
@@ -130,8 +140,9 @@ def test_local_mistakes_raise_at_once() -> None:
     with pytest.raises(FrameTooLarge):
         r.read_blocks(h_id, local_blocks=[0], remote_blocks=[0], notify=b"x" * 5000)
     with pytest.raises(LocalProtocolError):
-        r.read_blocks(h_id, local_blocks=[0], remote_blocks=[0],
-                      local_slice=BlockSlice(index=0, parts=3))
+        r.read_blocks(
+            h_id, local_blocks=[0], remote_blocks=[0], local_slice=BlockSlice(index=0, parts=3)
+        )
 
 
 def test_read_from_unregistered_crashed_or_partitioned_holder_fails() -> None:
@@ -140,11 +151,13 @@ def test_read_from_unregistered_crashed_or_partitioned_holder_fails() -> None:
     r.register_blocks(r.allocate_layout(1, BLOCK, 2))
     h_id = r.add_peer(h.metadata())
     assert "registered no memory" in failure_of(
-        net, r, r.read_blocks(h_id, local_blocks=[0], remote_blocks=[0]))
+        net, r, r.read_blocks(h_id, local_blocks=[0], remote_blocks=[0])
+    )
     h.register_blocks(h.allocate_layout(1, BLOCK, 2))
     net.partition("H", "R")
     assert "partitioned" in failure_of(
-        net, r, r.read_blocks(h_id, local_blocks=[0], remote_blocks=[0]))
+        net, r, r.read_blocks(h_id, local_blocks=[0], remote_blocks=[0])
+    )
     net.heal("H", "R")
     rid = r.read_blocks(h_id, local_blocks=[0], remote_blocks=[0])
     net.crash("H")  # in flight
@@ -154,8 +167,9 @@ def test_read_from_unregistered_crashed_or_partitioned_holder_fails() -> None:
 def test_zero_block_read_completes_and_notifies_without_memory() -> None:
     net = LoopbackNetwork()
     h, r = net.endpoint("H"), net.endpoint("R")
-    rid = r.read_blocks(r.add_peer(h.metadata()), local_blocks=[], remote_blocks=[],
-                        notify=b"full prefix hit")
+    rid = r.read_blocks(
+        r.add_peer(h.metadata()), local_blocks=[], remote_blocks=[], notify=b"full prefix hit"
+    )
     net.settle()
     assert r.poll() == [ReadCompleted(read_id=rid)]
     assert h.poll() == [Received(peer="R#1", payload=b"full prefix hit")]
@@ -173,8 +187,9 @@ def test_notify_of_a_read_is_subject_to_the_links_faults() -> None:
 def test_register_accepts_any_layout_and_backs_it_lazily() -> None:
     net = LoopbackNetwork()
     h = net.endpoint("H")
-    huge = BlockLayout(region_addrs=(0x1000, 0x9000_0000), block_lens=(1 << 20, 1 << 20),
-                       num_blocks=100_000)
+    huge = BlockLayout(
+        region_addrs=(0x1000, 0x9000_0000), block_lens=(1 << 20, 1 << 20), num_blocks=100_000
+    )
     h.register_blocks(huge)  # 200 GB of address space; only touched blocks cost memory
     h.write_block(1, 99_999, b"\x07" * 8, offset=16)
     assert h.read_block(1, 99_999)[16:24] == b"\x07" * 8

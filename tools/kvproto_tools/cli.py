@@ -103,25 +103,47 @@ def build_parser() -> argparse.ArgumentParser:
             "seed 0."
         ),
     )
-    sim.add_argument("--scenario", metavar="NAME|all|faults",
-                     help=f"scenario(s), comma-separated: {', '.join(SCENARIOS)}; "
-                     "'faults' is every one but normal (default: all)")
-    sim.add_argument("--policy", metavar="NAME|all",
-                     help=f"policy(ies), comma-separated: {', '.join(POLICIES)} "
-                     f"(default: {','.join(DEFAULT_POLICIES)}; all adds the historical vllm-v4)")
+    sim.add_argument(
+        "--scenario",
+        metavar="NAME|all|faults",
+        help=f"scenario(s), comma-separated: {', '.join(SCENARIOS)}; "
+        "'faults' is every one but normal (default: all)",
+    )
+    sim.add_argument(
+        "--policy",
+        metavar="NAME|all",
+        help=f"policy(ies), comma-separated: {', '.join(POLICIES)} "
+        f"(default: {','.join(DEFAULT_POLICIES)}; all adds the historical vllm-v4)",
+    )
     sim.add_argument("--seed", type=int, default=0, help="first seed (default 0)")
-    sim.add_argument("--seeds", type=int, default=1, metavar="N",
-                     help="number of seeds from --seed on (default 1)")
+    sim.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        metavar="N",
+        help="number of seeds from --seed on (default 1)",
+    )
     sim.add_argument("--json", metavar="FILE", help='write {"runs": [...]} here')
-    sim.add_argument("--plot", metavar="FILE.png",
-                     help="plot held blocks over time per policy (.png, .svg or .pdf; "
-                     "needs matplotlib)")
-    sim.add_argument("--liveness", action="store_true",
-                     help="also check the liveness bounds (L1-L3)")
-    sim.add_argument("--trace", action="store_true",
-                     help="print the shortened trace of every run with a violation")
-    sim.add_argument("--jobs", type=int, default=None, metavar="N",
-                     help="worker processes (default: one per CPU)")
+    sim.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="plot held blocks over time per policy (.png, .svg or .pdf; needs matplotlib)",
+    )
+    sim.add_argument(
+        "--liveness", action="store_true", help="also check the liveness bounds (L1-L3)"
+    )
+    sim.add_argument(
+        "--trace",
+        action="store_true",
+        help="print the shortened trace of every run with a violation",
+    )
+    sim.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="worker processes (default: one per CPU)",
+    )
     for name, helptext in (
         ("conformance", "run the transport conformance suite (kvproto conformance --help)"),
         ("bench", "run the benchmarks (kvproto bench --help)"),
@@ -136,8 +158,11 @@ def _delegate(module: str, argv: Sequence[str], what: str) -> int:
         mod = importlib.import_module(module)
     except ImportError as exc:
         if exc.name and exc.name.split(".")[0] in EXTRA_OF:
-            print(f"kvproto {what}: needs {exc.name.split('.')[0]}; install it with "
-                  f"{install_hint(exc.name)}", file=sys.stderr)
+            print(
+                f"kvproto {what}: needs {exc.name.split('.')[0]}; install it with "
+                f"{install_hint(exc.name)}",
+                file=sys.stderr,
+            )
         else:
             print(f"kvproto {what}: not available in this installation ({exc})", file=sys.stderr)
         return 2
@@ -160,8 +185,10 @@ def _violations(console: Out, results: Sequence[RunResult], *, trace_all: bool) 
             f"[red]{r.policy} violated {first.kind}[/red] in {r.scenario} seed {r.seed} "
             f"({len(r.violations)} safety, {r.liveness_violations} liveness): {first.detail}"
         )
-        console.print(f"  replay: kvproto simulate --scenario {r.scenario} --policy {r.policy} "
-                      f"--seed {r.seed}{' --liveness' if r.liveness else ''} --trace")
+        console.print(
+            f"  replay: kvproto simulate --scenario {r.scenario} --policy {r.policy} "
+            f"--seed {r.seed}{' --liveness' if r.liveness else ''} --trace"
+        )
         if first.trace:
             console.print("  last events before it:")
             for line in first.trace:
@@ -175,8 +202,10 @@ def _violations(console: Out, results: Sequence[RunResult], *, trace_all: bool) 
             f"({(rs[0].violations + rs[0].liveness)[0].kind})"
             for p, rs in by_policy.items()
         )
-        console.print(f"Known failures of the baselines reproduced - {summary}. "
-                      "Add --trace to print their traces.")
+        console.print(
+            f"Known failures of the baselines reproduced - {summary}. "
+            "Add --trace to print their traces."
+        )
     if not fenced:
         n = sum(r.policy == FENCED_POLICY for r in results)
         console.print(f"[green]{FENCED_POLICY}: no oracle violation in {n} run(s).[/green]")
@@ -202,8 +231,9 @@ def _check_simulate(args: argparse.Namespace) -> tuple[list[str], list[str], lis
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            raise UsageError(f"--plot needs matplotlib; install it with "
-                             f"{install_hint('matplotlib')}") from None
+            raise UsageError(
+                f"--plot needs matplotlib; install it with {install_hint('matplotlib')}"
+            ) from None
     return scenarios, policies, list(range(args.seed, args.seed + args.seeds))
 
 
@@ -213,8 +243,9 @@ def simulate(args: argparse.Namespace) -> int:
     # A table of ten columns needs ~130 characters; a pipe or CI log gets that
     # width instead of rich's 80-column default.
     console = make_console(width=140)
-    tasks = plan(scenarios, policies, seeds, liveness=args.liveness,
-                 timelines=args.plot is not None)
+    tasks = plan(
+        scenarios, policies, seeds, liveness=args.liveness, timelines=args.plot is not None
+    )
     jobs = args.jobs or os.cpu_count() or 1
     console.print(
         f"Simulating {len(scenarios)} scenario(s) x {len(policies)} polic(ies) x "
@@ -240,8 +271,10 @@ def simulate(args: argparse.Namespace) -> int:
         console.print(f"wrote {args.plot}")
     console.print(f"{len(tasks)} run(s) in {wall:.1f} s.")
     if not args.json and not args.plot:
-        console.print("Add --plot held.png to see held blocks over time, --json runs.json for "
-                      "the figures; spec/simulator.md explains every number.")
+        console.print(
+            "Add --plot held.png to see held blocks over time, --json runs.json for "
+            "the figures; spec/simulator.md explains every number."
+        )
     return 1 if failures else 0
 
 

@@ -24,8 +24,7 @@ class Pair:
             self.reader_id = self.reader.call("create", name_prefix="reader", **kwargs)
             if memory:
                 self.holder.call("memory", num_regions=2, block_len=4096, num_blocks=80, seed=7)
-                self.reader.call("memory", num_regions=2, block_len=4096, num_blocks=80,
-                                 seed=None)
+                self.reader.call("memory", num_regions=2, block_len=4096, num_blocks=80, seed=None)
             if link:
                 self.link()
         except BaseException:
@@ -34,10 +33,8 @@ class Pair:
 
     def link(self) -> None:
         """Each adds the other (as the side channel's introduction makes possible)."""
-        assert self.reader.call("add_peer", metadata=self.holder.call("metadata")) == \
-            self.holder_id
-        assert self.holder.call("add_peer", metadata=self.reader.call("metadata")) == \
-            self.reader_id
+        assert self.reader.call("add_peer", metadata=self.holder.call("metadata")) == self.holder_id
+        assert self.holder.call("add_peer", metadata=self.reader.call("metadata")) == self.reader_id
 
     def close(self) -> None:
         self.holder.close()

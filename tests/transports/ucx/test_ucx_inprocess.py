@@ -46,8 +46,9 @@ def make() -> Iterator[Callable[..., UcxTransport]]:
         t.close()
 
 
-def _until(t: UcxTransport, pred: Callable[[list[TransportEvent]], bool],
-           timeout_s: float = 5.0) -> list[TransportEvent]:
+def _until(
+    t: UcxTransport, pred: Callable[[list[TransportEvent]], bool], timeout_s: float = 5.0
+) -> list[TransportEvent]:
     got: list[TransportEvent] = []
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

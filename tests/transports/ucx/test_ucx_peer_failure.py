@@ -37,8 +37,10 @@ def test_kill_reader_surfaces_peer_lost_at_holder_within_bound(
     lost_at = p.holder.call("lost_at", peer=p.reader_id, timeout_s=5.0)
     assert lost_at is not None, "no PeerLost for the killed reader within 5 s"
     delay = lost_at - killed_at
-    print(f"\nkill -9 of the reader -> PeerLost at the holder after {delay * 1e3:.1f} ms "
-          f"(declared bound {FAILURE_DETECTION_BOUND_S} s)")
+    print(
+        f"\nkill -9 of the reader -> PeerLost at the holder after {delay * 1e3:.1f} ms "
+        f"(declared bound {FAILURE_DETECTION_BOUND_S} s)"
+    )
     assert delay <= FAILURE_DETECTION_BOUND_S
     events = [ev for _t, ev in p.holder.call("take_events")]
     assert sum(isinstance(ev, PeerLost) for ev in events) == 1  # reported once
@@ -49,11 +51,17 @@ def test_kill_reader_surfaces_peer_lost_at_holder_within_bound(
 def test_kill_holder_ends_an_inflight_read(make_pair: Callable[..., Pair]) -> None:
     p = make_pair()
     _warm(p)
-    rid = p.reader.call("read", peer=p.holder_id, local_blocks=list(range(80)),
-                        remote_blocks=list(range(80)), notify=b"done")
+    rid = p.reader.call(
+        "read",
+        peer=p.holder_id,
+        local_blocks=list(range(80)),
+        remote_blocks=list(range(80)),
+        notify=b"done",
+    )
     killed_at = p.holder.kill()
-    got = p.reader.call("wait_events", count=1, kinds=("ReadCompleted", "ReadFailed"),
-                        timeout_s=10.0)
+    got = p.reader.call(
+        "wait_events", count=1, kinds=("ReadCompleted", "ReadFailed"), timeout_s=10.0
+    )
     assert got, "the read neither completed nor failed (hang)"
     ev = got[0][1]
     assert ev.read_id == rid
@@ -64,6 +72,8 @@ def test_kill_holder_ends_an_inflight_read(make_pair: Callable[..., Pair]) -> No
         assert isinstance(ev, ReadFailed)
     lost_at = p.reader.call("lost_at", peer=p.holder_id, timeout_s=5.0)
     assert lost_at is not None
-    print(f"\nkill -9 of the holder -> {type(ev).__name__}, PeerLost at the reader after "
-          f"{(lost_at - killed_at) * 1e3:.1f} ms")
+    print(
+        f"\nkill -9 of the holder -> {type(ev).__name__}, PeerLost at the reader after "
+        f"{(lost_at - killed_at) * 1e3:.1f} ms"
+    )
     assert lost_at - killed_at <= FAILURE_DETECTION_BOUND_S

@@ -36,18 +36,32 @@ def test_consecutive_blocks_merge_into_one_segment_per_region() -> None:
 
 def test_scattered_blocks_stay_separate() -> None:
     segs = plan_read(LOCAL, REMOTE, local_blocks=[0, 1], remote_blocks=[3, 1])
-    assert [(s.region, s.local_addr - LOCAL.region_addrs[s.region],
-             s.remote_addr - REMOTE.region_addrs[s.region], s.length) for s in segs] == [
-        (0, 0, 3 * 256, 256), (0, 256, 1 * 256, 256),
-        (1, 0, 3 * 256, 256), (1, 256, 1 * 256, 256),
+    assert [
+        (
+            s.region,
+            s.local_addr - LOCAL.region_addrs[s.region],
+            s.remote_addr - REMOTE.region_addrs[s.region],
+            s.length,
+        )
+        for s in segs
+    ] == [
+        (0, 0, 3 * 256, 256),
+        (0, 256, 1 * 256, 256),
+        (1, 0, 3 * 256, 256),
+        (1, 256, 1 * 256, 256),
     ]
 
 
 def test_slices_cut_every_block_and_never_merge_across_the_gap() -> None:
     local = BlockLayout(region_addrs=(0x10000,), block_lens=(128,), num_blocks=4)
     remote = BlockLayout(region_addrs=(0x90000,), block_lens=(256,), num_blocks=4)
-    segs = plan_read(local, remote, local_blocks=[0, 1], remote_blocks=[2, 3],
-                     remote_slice=BlockSlice(index=1, parts=2))
+    segs = plan_read(
+        local,
+        remote,
+        local_blocks=[0, 1],
+        remote_blocks=[2, 3],
+        remote_slice=BlockSlice(index=1, parts=2),
+    )
     assert segs == [
         Segment(region=0, local_addr=0x10000, remote_addr=0x90000 + 2 * 256 + 128, length=128),
         Segment(region=0, local_addr=0x10080, remote_addr=0x90000 + 3 * 256 + 128, length=128),
@@ -72,14 +86,23 @@ def test_mismatched_layouts_are_refused() -> None:
     with pytest.raises(LayoutMismatch):
         plan_read(LOCAL, REMOTE, local_blocks=[0, 1], remote_blocks=[0])
     with pytest.raises(LayoutMismatch):  # 256-byte halves into 256-byte blocks
-        plan_read(LOCAL, REMOTE, local_blocks=[0], remote_blocks=[0],
-                  remote_slice=BlockSlice(index=0, parts=2))
+        plan_read(
+            LOCAL,
+            REMOTE,
+            local_blocks=[0],
+            remote_blocks=[0],
+            remote_slice=BlockSlice(index=0, parts=2),
+        )
 
 
 def _meta(**over: object) -> UcxMetadata:
     fields: dict[str, object] = {
-        "kind": WIRE_KIND, "version": 1, "peer": "p-1", "incarnation": 7,
-        "worker_address": b"\x01addr", "layout": layout_to_wire(REMOTE),
+        "kind": WIRE_KIND,
+        "version": 1,
+        "peer": "p-1",
+        "incarnation": 7,
+        "worker_address": b"\x01addr",
+        "layout": layout_to_wire(REMOTE),
         "rkeys": (b"k0", b"k1"),
     }
     fields.update(over)

@@ -32,8 +32,9 @@ def _received(node: UcxNode, count: int, timeout_s: float = 10.0) -> list[Receiv
 
 
 def _read_done(node: UcxNode, read_id: int, timeout_s: float = 10.0) -> list[object]:
-    got = node.call("wait_events", count=1, kinds=("ReadCompleted", "ReadFailed"),
-                    timeout_s=timeout_s)
+    got = node.call(
+        "wait_events", count=1, kinds=("ReadCompleted", "ReadFailed"), timeout_s=timeout_s
+    )
     evs = [ev for _t, ev in got]
     assert evs, f"read {read_id}: no completion within {timeout_s} s"
     assert evs[0].read_id == read_id  # type: ignore[attr-defined]
@@ -105,8 +106,9 @@ def _expected(remote_block: int, region: int) -> bytes:
 def test_64_block_read_delivers_exact_bytes(pair: Pair) -> None:
     local = list(range(0, 64))
     remote = list(range(16, 80))
-    rid = pair.reader.call("read", peer=pair.holder_id, local_blocks=local,
-                           remote_blocks=remote, notify=b"done-64")
+    rid = pair.reader.call(
+        "read", peer=pair.holder_id, local_blocks=local, remote_blocks=remote, notify=b"done-64"
+    )
     assert [type(e) for e in _read_done(pair.reader, rid)] == [ReadCompleted]
     for region in range(2):
         for lb, rb in zip(local, remote, strict=True):
@@ -117,16 +119,23 @@ def test_64_block_read_delivers_exact_bytes(pair: Pair) -> None:
 
 
 def test_scattered_and_sliced_reads(pair: Pair) -> None:
-    rid = pair.reader.call("read", peer=pair.holder_id, local_blocks=[70, 72, 71],
-                           remote_blocks=[3, 1, 2])
+    rid = pair.reader.call(
+        "read", peer=pair.holder_id, local_blocks=[70, 72, 71], remote_blocks=[3, 1, 2]
+    )
     assert [type(e) for e in _read_done(pair.reader, rid)] == [ReadCompleted]
     for region in range(2):
         for lb, rb in ((70, 3), (72, 1), (71, 2)):
             assert pair.reader.call("block", region=region, block=lb) == _expected(rb, region)
     # Second half of remote block 5 into the second half of local block 75 (TP slices).
     before = pair.reader.call("block", region=0, block=75)
-    rid = pair.reader.call("read", peer=pair.holder_id, local_blocks=[75], remote_blocks=[5],
-                           local_slice=(1, 2), remote_slice=(1, 2))
+    rid = pair.reader.call(
+        "read",
+        peer=pair.holder_id,
+        local_blocks=[75],
+        remote_blocks=[5],
+        local_slice=(1, 2),
+        remote_slice=(1, 2),
+    )
     assert [type(e) for e in _read_done(pair.reader, rid)] == [ReadCompleted]
     got = pair.reader.call("block", region=0, block=75)
     half = BLOCK // 2
@@ -141,24 +150,31 @@ def test_notify_reaches_the_holder_only_after_the_data(pair: Pair) -> None:
     plans = [([40 + i], [60 + i], b"free-%d" % i) for i in range(8)]
     for _local, remote, note in plans:
         pair.holder.call("set_scribble", notify=note, blocks=remote)
-    rids = [pair.reader.call("read", peer=pair.holder_id, local_blocks=local,
-                             remote_blocks=remote, notify=note) for local, remote, note in plans]
+    rids = [
+        pair.reader.call(
+            "read", peer=pair.holder_id, local_blocks=local, remote_blocks=remote, notify=note
+        )
+        for local, remote, note in plans
+    ]
     got = pair.reader.call("wait_events", count=len(rids), kinds=("ReadCompleted", "ReadFailed"))
     assert sorted(ev.read_id for _t, ev in got) == sorted(rids)
     assert all(isinstance(ev, ReadCompleted) for _t, ev in got)
     assert sorted(r.payload for r in _received(pair.holder, len(plans))) == sorted(
-        note for _l, _r, note in plans)
+        note for _l, _r, note in plans
+    )
     for local, remote, _note in plans:
         for region in range(2):
             assert pair.reader.call("block", region=region, block=local[0]) == _expected(
-                remote[0], region)
+                remote[0], region
+            )
             # ...and the holder did overwrite them after the notify.
             assert pair.holder.call("block", region=region, block=remote[0]) == b"\xee" * BLOCK
 
 
 def test_zero_block_read_completes_and_notifies(pair: Pair) -> None:
-    rid = pair.reader.call("read", peer=pair.holder_id, local_blocks=[], remote_blocks=[],
-                           notify=b"prefix-hit")
+    rid = pair.reader.call(
+        "read", peer=pair.holder_id, local_blocks=[], remote_blocks=[], notify=b"prefix-hit"
+    )
     assert [type(e) for e in _read_done(pair.reader, rid)] == [ReadCompleted]
     assert [r.payload for r in _received(pair.holder, 1)] == [b"prefix-hit"]
 

@@ -30,8 +30,9 @@ def test_handshake_over_side_channel_then_notify_and_read(make_pair: Callable[..
     assert p.reader.call("handshake", port=port, compat_hash=COMPAT) == p.holder_id
     assert p.holder.call("accept_introductions") == [p.reader_id]
     p.holder.call("send", peer=p.reader_id, payload=b"ack\x00")
-    rid = p.reader.call("read", peer=p.holder_id, local_blocks=[0, 1], remote_blocks=[8, 9],
-                        notify=b"done\xff")
+    rid = p.reader.call(
+        "read", peer=p.holder_id, local_blocks=[0, 1], remote_blocks=[8, 9], notify=b"done\xff"
+    )
     got = p.reader.call("wait_events", count=2, kinds=("ReadCompleted", "Received"))
     kinds = sorted(type(ev).__name__ for _t, ev in got)
     assert kinds == ["ReadCompleted", "Received"]

@@ -26,8 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("--json", type=Path, metavar="FILE", help="write the figures as JSON")
-    parser.add_argument("--plot", type=Path, metavar="FILE.png",
-                        help="write the scaling plot (.png, .svg or .pdf)")
+    parser.add_argument(
+        "--plot", type=Path, metavar="FILE.png", help="write the scaling plot (.png, .svg or .pdf)"
+    )
     parser.add_argument(
         "--quick", action="store_true", help="tiny sizes, a few seconds (smoke test)"
     )
@@ -55,8 +56,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvproto bench: {exc}", file=sys.stderr)
         return 2
     except ImportError:
-        print("kvproto bench: --plot needs matplotlib; install it with "
-              "pip install 'kvproto[tools]' (the 'tools' extra)", file=sys.stderr)
+        print(
+            "kvproto bench: --plot needs matplotlib; install it with "
+            "pip install 'kvproto[tools]' (the 'tools' extra)",
+            file=sys.stderr,
+        )
         return 2
     plan = QUICK if args.quick else FULL
     width = None if sys.stdout.isatty() else 180

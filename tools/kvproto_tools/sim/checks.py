@@ -37,22 +37,23 @@ def holder_oracles(sim: Simulator, eng: EngineState) -> None:
             if d is None:
                 continue
             prev = hold.deadlines.get(rank)
-            if (
-                prev is not None
-                and d < prev - 1e-9
-                and not eng.transports[rank].disturbed
-            ):
-                sim.violate("safety", "S2 shortened",
-                            f"{eng.name} rank {rank} moved {hold.key[:18]}'s deadline "
-                            f"from {prev:.3f} back to {d:.3f}")
+            if prev is not None and d < prev - 1e-9 and not eng.transports[rank].disturbed:
+                sim.violate(
+                    "safety",
+                    "S2 shortened",
+                    f"{eng.name} rank {rank} moved {hold.key[:18]}'s deadline "
+                    f"from {prev:.3f} back to {d:.3f}",
+                )
             hold.deadlines[rank] = d
     for rank, tr in enumerate(eng.transports):
         tr.disturbed = False
         live = side.holder_live(rank)
         if live != counts[rank]:
-            sim.violate("safety", "S3 resurrection",
-                        f"{eng.name} rank {rank} holds {live} leases, the engine "
-                        f"{counts[rank]} live holds")
+            sim.violate(
+                "safety",
+                "S3 resurrection",
+                f"{eng.name} rank {rank} holds {live} leases, the engine {counts[rank]} live holds",
+            )
 
 
 def bound_oracle(sim: Simulator, hold: Hold, rank: int) -> None:
@@ -72,7 +73,8 @@ def bound_oracle(sim: Simulator, hold: Hold, rank: int) -> None:
             continue
         if reader.clock.to_global(bound) > sim.t + 1e-6:
             sim.violate(
-                "safety", "S1 fence bound",
+                "safety",
+                "S1 fence bound",
                 f"{reader.name} rank {rr} believes {req.key[:18]} held until "
                 f"{reader.clock.to_global(bound):.3f}, {hold.engine.name} rank {rank} "
                 f"expired it at {sim.t:.3f}",
@@ -102,7 +104,8 @@ def check_l1(sim: Simulator, hold: Hold) -> None:
         sim.at(bound, lambda: check_l1(sim, hold))
         return
     sim.violate(
-        "liveness", "L1 dead reader",
+        "liveness",
+        "L1 dead reader",
         f"{hold.engine.name} still holds {hold.key[:18]} of dead "
         f"{hold.req.reader.name if hold.req and hold.req.reader else '?'} past its bound "
         f"{bound:.3f} (last heartbeat + extension + one step)",
@@ -113,7 +116,8 @@ def check_l2(sim: Simulator, req: Req, copied: float) -> None:
     """L2: a read whose data arrived must be used or failed by now."""
     if req.state is ReqState.READING and req.reader is not None and req.reader.alive:
         sim.violate(
-            "liveness", "L2 read unresolved",
+            "liveness",
+            "L2 read unresolved",
             f"{req.reader.name} neither used nor failed {req.key[:18]} "
             f"{sim.t - copied:.3f} s after its data arrived",
         )

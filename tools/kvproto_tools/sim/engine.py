@@ -190,8 +190,14 @@ class Simulator:
         self.timeline: list[tuple[float, int]] = [(0.0, 0)]
         self.events = 0
         self.extra: dict[str, float | int] = {
-            "requests": 0, "used": 0, "recomputed": 0, "corrupted": 0, "lost": 0,
-            "turn2": 0, "handshakes": 0, "handshakes_failed": 0,
+            "requests": 0,
+            "used": 0,
+            "recomputed": 0,
+            "corrupted": 0,
+            "lost": 0,
+            "turn2": 0,
+            "handshakes": 0,
+            "handshakes_failed": 0,
         }
         max_prefill = self.prefill_time(sc.prompt_tokens[1])
         for spec in CLUSTER:
@@ -344,7 +350,8 @@ class Simulator:
             for hold in list(eng.holds.values()):
                 if self.liveness:
                     self.violate(
-                        "liveness", "L3 leak",
+                        "liveness",
+                        "L3 leak",
                         f"{eng.name} still holds {hold.key[:18]} at the end of the run",
                     )
                 if hold.dead_since is not None:
@@ -439,9 +446,7 @@ class Simulator:
         """A holder rank is about to process a heartbeat from ``peer`` (liveness bound L1)."""
         owner = self.peer_owner.get(peer)
         if owner is not None:
-            self.last_hb[(eng.name, eng.incarnation, rank, owner[0].name)] = eng.clock.local(
-                self.t
-            )
+            self.last_hb[(eng.name, eng.incarnation, rank, owner[0].name)] = eng.clock.local(self.t)
 
 
 def run(

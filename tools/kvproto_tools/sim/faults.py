@@ -80,7 +80,8 @@ def crash_reader(sim: Simulator, eng: EngineState) -> None:
     sim.note(f"kill -9 {eng.name}")
     sim.crash_time = sim.t
     victims = [
-        req.hold for req in sim.reqs.values()
+        req.hold
+        for req in sim.reqs.values()
         if req.reader is eng and req.state.waiting_for_blocks and req.hold.ended_at is None
     ]
     kill(sim, eng)

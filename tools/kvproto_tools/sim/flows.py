@@ -75,8 +75,15 @@ def new_hold(
 ) -> Hold:
     """Write the blocks' bytes on every rank and grant them to a future reader."""
     hold = Hold(
-        key=key, engine=eng, incarnation=eng.incarnation, blocks=blocks, content=content,
-        granted_at=sim.t, granted_local=now, ttl=ttl, ranks_live=set(range(eng.tp)),
+        key=key,
+        engine=eng,
+        incarnation=eng.incarnation,
+        blocks=blocks,
+        content=content,
+        granted_at=sim.t,
+        granted_local=now,
+        ttl=ttl,
+        ranks_live=set(range(eng.tp)),
     )
     for b in blocks:
         eng.pool.owner[b] = hold
@@ -96,15 +103,22 @@ def prefill_done(
 ) -> None:
     """Prefill finished: grant the blocks and send the request to a decoder."""
     hold = new_hold(
-        sim, eng, now=now, key=a.request_id, blocks=blocks, content=2 * a.index + 1,
+        sim,
+        eng,
+        now=now,
+        key=a.request_id,
+        blocks=blocks,
+        content=2 * a.index + 1,
         ttl=sim.policy.turn1_ttl,
     )
     req = Req(key=hold.key, turn=1, arrival=a, hold=hold, tokens=a.prompt_tokens)
     hold.req = req
     sim.reqs[req.key] = req
     reader = route(sim, sim.decode, a.decode)
-    sim.note(f"{eng.name} granted {hold.key[:18]} ({hold.nblocks} blocks) for "
-             f"{reader.name if reader else 'nobody'}")
+    sim.note(
+        f"{eng.name} granted {hold.key[:18]} ({hold.nblocks} blocks) for "
+        f"{reader.name if reader else 'nobody'}"
+    )
     if reader is None:
         lose(sim, req)
         return
@@ -116,8 +130,11 @@ def rank_freed(sim: Simulator, eng: EngineState, rank: int, key: str, reason: st
     """One holder rank freed its lease; the engine frees the blocks when every rank has."""
     hold = eng.holds.get(key)
     if hold is None or rank not in hold.ranks_live:
-        sim.violate("safety", "S4 double free",
-                    f"{eng.name} rank {rank} freed {key[:18]} that it does not hold")
+        sim.violate(
+            "safety",
+            "S4 double free",
+            f"{eng.name} rank {rank} freed {key[:18]} that it does not hold",
+        )
         return
     hold.ranks_live.discard(rank)
     hold.end_reason = reason
@@ -142,12 +159,17 @@ def end_hold(sim: Simulator, hold: Hold, *, lost: bool) -> None:
     if not lost:
         bad = eng.pool.release(hold.blocks, hold)
         if bad:
-            sim.violate("safety", "S4 double free",
-                        f"{eng.name} freed {bad} blocks of {hold.key[:18]} twice")
+            sim.violate(
+                "safety",
+                "S4 double free",
+                f"{eng.name} freed {bad} blocks of {hold.key[:18]} twice",
+            )
         if hold.dead_since is None and req is not None and req.state.waiting_for_blocks:
             sim.metrics.premature_frees += 1
-            sim.note(f"{eng.name} freed {hold.key[:18]} ({hold.end_reason}) while its reader "
-                     f"{req.reader.name if req.reader else '?'} still needs it (premature)")
+            sim.note(
+                f"{eng.name} freed {hold.key[:18]} ({hold.end_reason}) while its reader "
+                f"{req.reader.name if req.reader else '?'} still needs it (premature)"
+            )
         else:
             sim.note(f"{eng.name} freed {hold.key[:18]} ({hold.end_reason})")
     if hold.dead_since is not None:
@@ -238,8 +260,7 @@ def copied(sim: Simulator, tr: SimTransport, read_id: ReadId) -> None:
         and hold.engine.pool.owns(hold.blocks, hold)
     )
     if not rec.intact:
-        sim.note(f"{tr.real.local_peer} copied {req.key[:18]} AFTER {hold.engine.name} "
-                 f"freed it")
+        sim.note(f"{tr.real.local_peer} copied {req.key[:18]} AFTER {hold.engine.name} freed it")
     req.reads_copied += 1
     if req.reads_copied == len(req.reads) and req.state is ReqState.READING:
         mark_dead(hold, t)  # the data has moved: the holder's copy serves nobody now
@@ -263,14 +284,18 @@ def use(sim: Simulator, req: Req) -> None:
     if overlapped:
         sim.metrics.overlapped_reads += 1
         sim.violate(
-            "safety", "S1 use after free",
+            "safety",
+            "S1 use after free",
             f"{eng.name} used {req.key[:18]} read from {req.hold.engine.name} (granted at "
             f"{req.hold.granted_at:.3f}) after it was freed at {req.hold.ended_at:.3f} "
             f"({req.hold.end_reason})" + ("; the bytes differ" if corrupted else ""),
         )
     elif corrupted:
-        sim.violate("safety", "S0 simulator",
-                    f"{req.key[:18]}: bytes differ though no free overlapped the read")
+        sim.violate(
+            "safety",
+            "S0 simulator",
+            f"{req.key[:18]}: bytes differ though no free overlapped the read",
+        )
     sim.note(f"{eng.name} uses {req.key[:18]}")
     resolve(sim, req)
 
@@ -358,11 +383,22 @@ def decode_done(sim: Simulator, req: Req) -> None:
         return
     req.local_blocks = None
     hold = new_hold(
-        sim, eng, now=now, key="t2-" + a.request_id, blocks=mine + more,
-        content=2 * a.index + 2, ttl=sim.policy.turn2_ttl,
+        sim,
+        eng,
+        now=now,
+        key="t2-" + a.request_id,
+        blocks=mine + more,
+        content=2 * a.index + 2,
+        ttl=sim.policy.turn2_ttl,
     )
-    req2 = Req(key=hold.key, turn=2, arrival=a, hold=hold,
-               tokens=a.prompt_tokens + a.output_tokens, state=ReqState.THINKING)
+    req2 = Req(
+        key=hold.key,
+        turn=2,
+        arrival=a,
+        hold=hold,
+        tokens=a.prompt_tokens + a.output_tokens,
+        state=ReqState.THINKING,
+    )
     hold.req = req2
     sim.reqs[req2.key] = req2
     sim.open_requests += 1

@@ -31,9 +31,7 @@ def rank_heads(rank: int, tp: int) -> range:
 
 def block_bytes(content: int, index: int, heads: range) -> bytes:
     """What block ``index`` of content ``content`` holds for ``heads``."""
-    return b"".join(
-        struct.pack("<IIHHI", content & 0xFFFFFFFF, index, h, _MAGIC, 0) for h in heads
-    )
+    return b"".join(struct.pack("<IIHHI", content & 0xFFFFFFFF, index, h, _MAGIC, 0) for h in heads)
 
 
 class BlockPool:

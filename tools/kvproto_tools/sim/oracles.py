@@ -61,7 +61,10 @@ class Recorder:
         if len(kept) < 50:
             kept.append(
                 Violation(
-                    mode=mode, kind=kind, time=t, detail=detail,
+                    mode=mode,
+                    kind=kind,
+                    time=t,
+                    detail=detail,
                     trace=trace if keep_trace else (),
                 )
             )

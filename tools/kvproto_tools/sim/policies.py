@@ -60,7 +60,9 @@ POLICIES: dict[str, Policy] = {
             turn2_ttl=480.0,
             make=_vllm(
                 VllmLeaseConfig(
-                    kv_lease_duration=480, decoder_kv_blocks_ttl=480, heartbeats=False,
+                    kv_lease_duration=480,
+                    decoder_kv_blocks_ttl=480,
+                    heartbeats=False,
                     clock_sync=False,
                 )
             ),
@@ -72,7 +74,9 @@ POLICIES: dict[str, Policy] = {
             turn2_ttl=30.0,
             make=_vllm(
                 VllmLeaseConfig(
-                    kv_lease_duration=30, decoder_kv_blocks_ttl=30, heartbeats=False,
+                    kv_lease_duration=30,
+                    decoder_kv_blocks_ttl=30,
+                    heartbeats=False,
                     clock_sync=False,
                 )
             ),

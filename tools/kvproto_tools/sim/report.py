@@ -95,7 +95,10 @@ def aggregate(results: Iterable[RunResult]) -> list[Row]:
                     counters[k] = counters.get(k, 0) + v
         rows.append(
             Row(
-                scenario=scenario, policy=policy, runs=len(runs), values=values,
+                scenario=scenario,
+                policy=policy,
+                runs=len(runs),
+                values=values,
                 reclaim_max=max(reclaims) if reclaims else None,
                 liveness=sum(r.liveness_violations for r in runs),
                 counters=counters,
@@ -138,8 +141,13 @@ def print_table(out: Out, rows: Sequence[Row], *, liveness: bool, seeds: int) ->
             cells.append(f"[red]{row.liveness}[/red]" if row.liveness else "0")
         cells_rows.append(cells)
         last = row.scenario
-    render_table(out, f"kvproto simulate - {per}", header, cells_rows,
-                 right=[False, False, *([True] * (len(header) - 2))])
+    render_table(
+        out,
+        f"kvproto simulate - {per}",
+        header,
+        cells_rows,
+        right=[False, False, *([True] * (len(header) - 2))],
+    )
 
 
 def conclusions(rows: Sequence[Row]) -> list[str]:
@@ -155,7 +163,8 @@ def conclusions(rows: Sequence[Row]) -> list[str]:
         figures = ", ".join(f"{r.policy} {_fmt(key, r.values[key])}" for r in group)
         unsafe = [
             f"{r.policy} ({_fmt('overlapped_reads', r.values['overlapped_reads'])})"
-            for r in group if (r.values["overlapped_reads"] or 0) > 0
+            for r in group
+            if (r.values["overlapped_reads"] or 0) > 0
         ]
         if key == "overlapped_reads":
             verdict = "silent corruption: " + (", ".join(unsafe) if unsafe else "none")
@@ -198,9 +207,7 @@ def _fenced_premature(group: Sequence[Row]) -> str:
     )
 
 
-def print_report(
-    console: Out, results: Sequence[RunResult], *, liveness: bool, seeds: int
-) -> None:
+def print_report(console: Out, results: Sequence[RunResult], *, liveness: bool, seeds: int) -> None:
     """Table, legend and conclusions."""
     rows = aggregate(results)
     print_table(console, rows, liveness=liveness, seeds=seeds)
@@ -225,8 +232,13 @@ def write_json(results: Sequence[RunResult], path: str | Path) -> None:
     Path(path).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
 
 
-COLORS = {"fixed-480": "tab:red", "fixed-short": "tab:orange", "vllm-v4": "tab:purple",
-          "vllm-lease": "tab:blue", "kvproto": "tab:green"}
+COLORS = {
+    "fixed-480": "tab:red",
+    "fixed-short": "tab:orange",
+    "vllm-v4": "tab:purple",
+    "vllm-lease": "tab:blue",
+    "kvproto": "tab:green",
+}
 """One colour per policy in every panel."""
 
 
@@ -299,9 +311,16 @@ def plot(results: Sequence[RunResult], path: str | Path) -> None:
             run = first[(scenario, members[0])]
             xs = [t for t, _ in run.timeline]
             ys = [n for _, n in run.timeline]
-            ax.step(xs, ys, where="post", label=" ≈ ".join(members),
-                    color=COLORS.get(members[-1]), linestyle=styles[g % len(styles)],
-                    linewidth=2.6 - 0.5 * min(g, 3), alpha=0.9)
+            ax.step(
+                xs,
+                ys,
+                where="post",
+                label=" ≈ ".join(members),
+                color=COLORS.get(members[-1]),
+                linestyle=styles[g % len(styles)],
+                linewidth=2.6 - 0.5 * min(g, 3),
+                alpha=0.9,
+            )
         ax.set_title(f"{scenario} (seed {first_seed(first, scenario)})", fontsize=10)
         ax.set_xlabel("time (s)")
         ax.set_ylabel("KV blocks held")
@@ -309,8 +328,11 @@ def plot(results: Sequence[RunResult], path: str | Path) -> None:
         ax.legend(fontsize=7, loc="upper right", frameon=False)
     for j in range(len(scenarios), nrows * ncols):
         axes[j // ncols][j % ncols].axis("off")
-    fig.suptitle("KV blocks held over time (first seed); a ≈ b: the two policies' curves "
-                 f"coincide (within {COINCIDE:.0%} of the peak) and share one line", fontsize=10)
+    fig.suptitle(
+        "KV blocks held over time (first seed); a ≈ b: the two policies' curves "
+        f"coincide (within {COINCIDE:.0%} of the peak) and share one line",
+        fontsize=10,
+    )
     fig.tight_layout(rect=(0, 0, 1, 0.96))
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -142,7 +142,11 @@ SCENARIOS: dict[str, Scenario] = {
             headline="overlapped_reads",
             queue_wait=QueueWait(kind="exp", a=5.0, b=60.0),
             link=LinkFaults(
-                drop=0.05, duplicate=0.05, reorder=0.05, delay=0.001, jitter=0.004,
+                drop=0.05,
+                duplicate=0.05,
+                reorder=0.05,
+                delay=0.001,
+                jitter=0.004,
                 reorder_window=0.01,
             ),
         ),

@@ -215,11 +215,19 @@ class KvprotoSide(Side):
         self.bindings: list[Endpoint] = []
         for rank, tr in enumerate(transports):
             holder = Holder(
-                config, engine=name, incarnation=incarnation, rank=rank, tp_size=self.tp,
+                config,
+                engine=name,
+                incarnation=incarnation,
+                rank=rank,
+                tp_size=self.tp,
                 entropy=_entropy(f"{seed}/h{rank}"),
             )
             reader = Reader(
-                config, engine=name, incarnation=incarnation, rank=rank, tp_size=self.tp,
+                config,
+                engine=name,
+                incarnation=incarnation,
+                rank=rank,
+                tp_size=self.tp,
                 entropy=_entropy(f"{seed}/r{rank}"),
             )
             self.holders.append(holder)

@@ -47,7 +47,10 @@ def plan(
     """Every run, in canonical order; timelines only for each pair's first seed."""
     return [
         Task(
-            scenario=s, policy=p, seed=seed, liveness=liveness,
+            scenario=s,
+            policy=p,
+            seed=seed,
+            liveness=liveness,
             timeline=timelines and seed == seeds[0],
         )
         for s in scenarios

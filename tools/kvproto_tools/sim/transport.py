@@ -131,9 +131,13 @@ class SimTransport(ForwardingTransport[LoopbackTransport]):
         self._next_id += 1
         handle = self._next_id
         pending = _PendingRead(
-            handle=handle, peer=peer, local_blocks=tuple(local_blocks),
-            remote_blocks=tuple(remote_blocks), local_slice=local_slice,
-            remote_slice=remote_slice, notify=notify,
+            handle=handle,
+            peer=peer,
+            local_blocks=tuple(local_blocks),
+            remote_blocks=tuple(remote_blocks),
+            local_slice=local_slice,
+            remote_slice=remote_slice,
+            notify=notify,
         )
         if self.context is not None:
             self.sim.read_issued(self, handle, peer, self.context)

@@ -69,8 +69,9 @@ def detection_bound(ctx: Ctx) -> Outcome:
             break
         net.group.wait(min(step, deadline - net.group.now()))
     if lost_at is None:
-        return Outcome(ok=False, detail=f"no PeerLost within {deadline - t0:.3f} s "
-                                        f"(declared bound {bound} s)")
+        return Outcome(
+            ok=False, detail=f"no PeerLost within {deadline - t0:.3f} s (declared bound {bound} s)"
+        )
     delay = lost_at - t0
     limit = bound + ctx.factory.detection_slack_s
     wrong = [p for p in net.lost(0) if p != victim]
@@ -150,8 +151,11 @@ def read_from_dead(ctx: Ctx) -> Outcome:
     if isinstance(first, ReadFailed):
         return Outcome(ok=True, detail=f"ReadFailed: {first.reason}")
     if data_landed(net, plan):
-        return Outcome(ok=True, informational=True,
-                       detail="completed with correct data before the kill took effect")
+        return Outcome(
+            ok=True,
+            informational=True,
+            detail="completed with correct data before the kill took effect",
+        )
     return Outcome(ok=False, detail="ReadCompleted without the data")
 
 
@@ -183,8 +187,13 @@ def partial_tp_failure(ctx: Ctx) -> Outcome:
         ls, rs = read_slices(0, 1, 2, rank)
         try:
             ids[rank] = net.ep(2).read_blocks(
-                net.ids[(2, rank)], local_blocks=[0], remote_blocks=[rank],
-                local_slice=ls, remote_slice=rs, notify=b"done-rank%d" % rank)
+                net.ids[(2, rank)],
+                local_blocks=[0],
+                remote_blocks=[rank],
+                local_slice=ls,
+                remote_slice=rs,
+                notify=b"done-rank%d" % rank,
+            )
         except TransportError as exc:
             results[rank] = f"refused ({type(exc).__name__})"
     detects = net.caps.detects_peer_failure
@@ -232,4 +241,3 @@ def _judge_partial(
     if problems:
         return Outcome(ok=False, detail=detail + " -- " + "; ".join(problems))
     return Outcome(ok=True, detail=detail)
-

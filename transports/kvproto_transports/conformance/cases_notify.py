@@ -144,10 +144,14 @@ def over_max_refused(ctx: Ctx) -> Outcome:
     net.settle()
     got = [p for p in net.payloads(1) if p != b"after"]
     if accepted:
-        fate = (f"{plural(len(got), 'payload')} of {[len(p) for p in got]} B delivered"
-                if got else "silently dropped")
-        problems.append(f"{' and '.join(f'{n} B' for n in accepted)} accepted without "
-                        f"FrameTooLarge; {fate}")
+        fate = (
+            f"{plural(len(got), 'payload')} of {[len(p) for p in got]} B delivered"
+            if got
+            else "silently dropped"
+        )
+        problems.append(
+            f"{' and '.join(f'{n} B' for n in accepted)} accepted without FrameTooLarge; {fate}"
+        )
     if b"after" not in net.payloads(1):
         problems.append("a normal notification after the refusal never arrived")
     if problems:
@@ -176,8 +180,9 @@ def never_truncated(ctx: Ctx) -> Outcome:
     net.ep(0).send(peer, b"marker")
     net.wait_until(lambda: b"marker" in net.payloads(1))
     net.settle()
-    bad = [_describe_alteration(p, sent) for p in net.payloads(1)
-           if p != b"marker" and p not in sent]
+    bad = [
+        _describe_alteration(p, sent) for p in net.payloads(1) if p != b"marker" and p not in sent
+    ]
     if bad:
         return Outcome(ok=False, detail="delivered altered: " + "; ".join(bad))
     return Outcome(ok=True, detail="no truncated or altered oversize payload delivered")
@@ -223,8 +228,12 @@ def ordering(ctx: Ctx) -> Outcome:
     inversions = sum(1 for x, y in itertools.pairwise(first) if y < x)
     detail = f"{plural(inversions, 'inversion')} over {len(first)} notifications"
     if not net.caps.ordered:
-        return Outcome(ok=True, detail=detail + " (not declared ordered)",
-                       measured=float(inversions), informational=True)
+        return Outcome(
+            ok=True,
+            detail=detail + " (not declared ordered)",
+            measured=float(inversions),
+            informational=True,
+        )
     return Outcome(ok=inversions == 0, detail=detail, measured=float(inversions))
 
 
@@ -243,8 +252,12 @@ def duplication(ctx: Ctx) -> Outcome:
     dups = len(got) - len(set(got))
     detail = f"{plural(dups, 'duplicate')} over {len(got)} deliveries"
     if net.caps.may_duplicate:
-        return Outcome(ok=True, detail=detail + " (duplication declared)",
-                       measured=float(dups), informational=True)
+        return Outcome(
+            ok=True,
+            detail=detail + " (duplication declared)",
+            measured=float(dups),
+            informational=True,
+        )
     return Outcome(ok=dups == 0, detail=detail, measured=float(dups))
 
 
@@ -390,8 +403,10 @@ def back_pressure(ctx: Ctx) -> Outcome:
     want = set(accepted)
     net.wait_until(lambda: want <= set(net.payloads(1)))
     missing = len(want - set(net.payloads(1)))
-    detail = (f"{len(accepted)} accepted, refused {refused or 'none'}, longest send "
-              f"{worst * 1e3:.3f} ms, {overruns} over the bound of {bound * 1e3:.0f} ms")
+    detail = (
+        f"{len(accepted)} accepted, refused {refused or 'none'}, longest send "
+        f"{worst * 1e3:.3f} ms, {overruns} over the bound of {bound * 1e3:.0f} ms"
+    )
     problems = []
     if overruns > STALLS_TOLERATED:
         problems.append("send blocked")

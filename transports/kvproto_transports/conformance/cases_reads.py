@@ -42,8 +42,13 @@ PLANS = (
 def holder_reader(ctx: Ctx, *, holder_registers: bool = True) -> Net:
     """Slot 0 holds patterned blocks, slot 1 reads into zeroed blocks; both added."""
     net = ctx.net(2)
-    net.memory(HOLDER, num_regions=REGIONS, block_len=BLOCK_LEN, num_blocks=BLOCKS,
-               register=holder_registers)
+    net.memory(
+        HOLDER,
+        num_regions=REGIONS,
+        block_len=BLOCK_LEN,
+        num_blocks=BLOCKS,
+        register=holder_registers,
+    )
     net.memory(READER, num_regions=REGIONS, block_len=BLOCK_LEN, num_blocks=BLOCKS)
     net.fill(HOLDER, range(BLOCKS), "holder")
     net.link(HOLDER, READER)
@@ -93,9 +98,7 @@ def one_completion(ctx: Ctx) -> Outcome:
     net = holder_reader(ctx)
     ids = [issue(net, p) for p in PLANS]
     notifies = {p.notify for p in PLANS}
-    net.wait_until(
-        lambda: terminal(net, READER, ids) and notifies <= set(net.payloads(HOLDER))
-    )
+    net.wait_until(lambda: terminal(net, READER, ids) and notifies <= set(net.payloads(HOLDER)))
     net.settle()
     problems = []
     if len(set(ids)) != len(ids):
@@ -192,11 +195,13 @@ def sliced_reads(ctx: Ctx) -> Outcome:
         net.fill(slot, range(4), f"s{slot}")
     net.mesh()
     ls_a, rs_a = read_slices(1, 2, 1, 0)
-    a = net.ep(1).read_blocks(net.ids[(1, 0)], local_blocks=[0], remote_blocks=[2],
-                              local_slice=ls_a, remote_slice=rs_a)
+    a = net.ep(1).read_blocks(
+        net.ids[(1, 0)], local_blocks=[0], remote_blocks=[2], local_slice=ls_a, remote_slice=rs_a
+    )
     ls_b, rs_b = read_slices(0, 1, 2, 1)
-    b = net.ep(2).read_blocks(net.ids[(2, 3)], local_blocks=[1], remote_blocks=[3],
-                              local_slice=ls_b, remote_slice=rs_b)
+    b = net.ep(2).read_blocks(
+        net.ids[(2, 3)], local_blocks=[1], remote_blocks=[3], local_slice=ls_b, remote_slice=rs_b
+    )
     net.wait_until(lambda: terminal(net, 1, [a]) and terminal(net, 2, [b]))
     problems: list[str] = []
     if not _completed(net, 1, a):
@@ -213,8 +218,11 @@ def sliced_reads(ctx: Ctx) -> Outcome:
             problems.append("TP 1 <- TP 2: local half 0 was overwritten")
     if problems:
         return Outcome(ok=False, detail="; ".join(problems))
-    return Outcome(ok=True, detail=f"remote slice {rs_a.index}/{rs_a.parts} and local slice "
-                                   f"{ls_b.index}/{ls_b.parts} moved exactly")
+    return Outcome(
+        ok=True,
+        detail=f"remote slice {rs_a.index}/{rs_a.parts} and local slice "
+        f"{ls_b.index}/{ls_b.parts} moved exactly",
+    )
 
 
 def _completed(net: Net, slot: int, rid: ReadId) -> bool:
@@ -234,8 +242,9 @@ def _must_fail(net: Net, what: str, *, local: list[int], remote: list[int]) -> s
     """Issue a read that must not succeed; a problem description, or None if it failed well."""
     snapshot = [net.block(READER, r, b) for r in range(REGIONS) for b in range(BLOCKS)]
     try:
-        rid = net.ep(READER).read_blocks(net.ids[(READER, HOLDER)], local_blocks=local,
-                                         remote_blocks=remote, notify=b"must-not")
+        rid = net.ep(READER).read_blocks(
+            net.ids[(READER, HOLDER)], local_blocks=local, remote_blocks=remote, notify=b"must-not"
+        )
     except TransportError:
         return None
     except Exception as exc:
@@ -306,10 +315,12 @@ def unregistered_peer(ctx: Ctx) -> Outcome:
 )
 def zero_block_read(ctx: Ctx) -> Outcome:
     net = holder_reader(ctx)
-    rid = net.ep(READER).read_blocks(net.ids[(READER, HOLDER)], local_blocks=[],
-                                     remote_blocks=[], notify=b"zero-done")
-    net.wait_until(lambda: bool(net.read_events(READER, rid))
-                   and b"zero-done" in net.payloads(HOLDER))
+    rid = net.ep(READER).read_blocks(
+        net.ids[(READER, HOLDER)], local_blocks=[], remote_blocks=[], notify=b"zero-done"
+    )
+    net.wait_until(
+        lambda: bool(net.read_events(READER, rid)) and b"zero-done" in net.payloads(HOLDER)
+    )
     net.settle()
     problems = []
     kinds = [type(e).__name__ for e in net.read_events(READER, rid)]
@@ -319,4 +330,3 @@ def zero_block_read(ctx: Ctx) -> Outcome:
     if problems:
         return Outcome(ok=False, detail="; ".join(problems))
     return Outcome(ok=True, detail="one ReadCompleted, notify delivered")
-

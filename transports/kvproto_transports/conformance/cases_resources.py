@@ -52,8 +52,10 @@ def bounded_memory(ctx: Ctx) -> Outcome:
     rate = retained / window
     bound = ctx.factory.memory_growth_per_cycle
     allowed = ONE_OFF + bound * window
-    detail = (f"{cycles} cycles; the last {window} left {retained} B allocated "
-              f"({rate:.2f} B/cycle; allowed {ONE_OFF} B + {bound} B/cycle)")
+    detail = (
+        f"{cycles} cycles; the last {window} left {retained} B allocated "
+        f"({rate:.2f} B/cycle; allowed {ONE_OFF} B + {bound} B/cycle)"
+    )
     if lost:
         detail += f"; {lost} notifications never arrived"
     return Outcome(ok=retained <= allowed, detail=detail, measured=rate)

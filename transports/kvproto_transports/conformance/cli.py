@@ -53,8 +53,10 @@ def _check_cases(only: Sequence[str] | None) -> None:
         raise _Usage("--case is empty; kvproto conformance --list shows the case ids")
     unknown = [w for w in only if not select(cases, [w])]
     if unknown:
-        raise _Usage(f"--case {', '.join(unknown)} matches no case; kvproto conformance "
-                     "--list shows the case ids (T2.1) and groups (T2)")
+        raise _Usage(
+            f"--case {', '.join(unknown)} matches no case; kvproto conformance "
+            "--list shows the case ids (T2.1) and groups (T2)"
+        )
 
 
 def _preflight(name: str) -> TransportFactory:
@@ -71,8 +73,9 @@ def _preflight(name: str) -> TransportFactory:
     except Exception as exc:
         cause = exc.__cause__ if isinstance(exc.__cause__, ImportError) else None
         hint = f"; {INSTALL.get(name, 'install the library it needs')}" if cause else ""
-        raise _Usage(f"transport {name!r} cannot start: {type(exc).__name__}: "
-                     f"{_one_line(exc)}{hint}") from None
+        raise _Usage(
+            f"transport {name!r} cannot start: {type(exc).__name__}: {_one_line(exc)}{hint}"
+        ) from None
     return factory
 
 
@@ -90,8 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strict", action="store_true", help="SHOULD failures are FAIL")
     p.add_argument("--json", metavar="FILE", help="write the JSON report here")
     p.add_argument("--junit", metavar="FILE", help="write a JUnit XML report here")
-    p.add_argument("--case", action="append", metavar="ID",
-                   help="run only this case or group (T2, T3.2); repeatable")
+    p.add_argument(
+        "--case",
+        action="append",
+        metavar="ID",
+        help="run only this case or group (T2, T3.2); repeatable",
+    )
     p.add_argument("--list", action="store_true", help="list transports and cases, then exit")
     return p
 

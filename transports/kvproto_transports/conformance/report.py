@@ -33,13 +33,21 @@ def print_table(report: Report, out: TextIO | None = None) -> None:
     except ImportError:
         _print_plain(report, out)
         return
-    table = Table(title=f"kvproto transport conformance: {report.transport}"
-                  + (" (strict)" if report.strict else ""))
+    table = Table(
+        title=f"kvproto transport conformance: {report.transport}"
+        + (" (strict)" if report.strict else "")
+    )
     for col in ("ID", "Level", "Verdict", "Title", "Measured", "Detail"):
         table.add_column(col, overflow="fold")
     for c in report.cases:
-        table.add_row(c.id, c.level.value, f"[{STYLE[c.verdict]}]{c.verdict.value}[/]",
-                      c.title, measured_text(c), c.detail)
+        table.add_row(
+            c.id,
+            c.level.value,
+            f"[{STYLE[c.verdict]}]{c.verdict.value}[/]",
+            c.title,
+            measured_text(c),
+            c.detail,
+        )
     console = Console(file=out)
     if not console.is_terminal:  # CI logs: do not wrap every cell at 80 columns
         console = Console(file=out, width=160)
@@ -50,8 +58,10 @@ def print_table(report: Report, out: TextIO | None = None) -> None:
 def _print_plain(report: Report, out: TextIO | None) -> None:
     lines = [f"kvproto transport conformance: {report.transport}"]
     for c in report.cases:
-        lines.append(f"{c.id:<6} {c.level.value:<6} {c.verdict.value:<11} {c.title} "
-                     f"[{measured_text(c)}] {c.detail}")
+        lines.append(
+            f"{c.id:<6} {c.level.value:<6} {c.verdict.value:<11} {c.title} "
+            f"[{measured_text(c)}] {c.detail}"
+        )
     lines.append(summary_line(report))
     print("\n".join(lines), file=out)
 
@@ -69,29 +79,36 @@ def write_json(report: Report, path: str | Path) -> None:
 def junit_xml(report: Report) -> str:
     """JUnit XML: FAIL is a failure, UNSUPPORTED a skip, the rest pass (verdict in system-out)."""
     s = report.summary
-    suite = ET.Element("testsuite", {
-        "name": f"kvproto-conformance.{report.transport}",
-        "tests": str(len(report.cases)),
-        "failures": str(s[Verdict.FAIL.value]),
-        "skipped": str(s[Verdict.UNSUPPORTED.value]),
-        "errors": "0",
-        "time": f"{sum(c.duration_s for c in report.cases):.3f}",
-    })
+    suite = ET.Element(
+        "testsuite",
+        {
+            "name": f"kvproto-conformance.{report.transport}",
+            "tests": str(len(report.cases)),
+            "failures": str(s[Verdict.FAIL.value]),
+            "skipped": str(s[Verdict.UNSUPPORTED.value]),
+            "errors": "0",
+            "time": f"{sum(c.duration_s for c in report.cases):.3f}",
+        },
+    )
     for c in report.cases:
-        tc = ET.SubElement(suite, "testcase", {
-            "classname": f"{report.transport}.{c.group}",
-            "name": f"{c.id} {c.title}",
-            "time": f"{c.duration_s:.3f}",
-        })
+        tc = ET.SubElement(
+            suite,
+            "testcase",
+            {
+                "classname": f"{report.transport}.{c.group}",
+                "name": f"{c.id} {c.title}",
+                "time": f"{c.duration_s:.3f}",
+            },
+        )
         if c.verdict is Verdict.FAIL:
             failure = ET.SubElement(tc, "failure", {"message": c.detail, "type": c.level.value})
             failure.text = c.detail
         elif c.verdict is Verdict.UNSUPPORTED:
             ET.SubElement(tc, "skipped", {"message": c.detail})
         measured = "" if c.measured is None else f" measured={c.measured}"
-        ET.SubElement(tc, "system-out").text = (
-            f"{c.verdict.value} [{c.level.value}]{measured}: {c.detail}"
-        )
+        ET.SubElement(
+            tc, "system-out"
+        ).text = f"{c.verdict.value} [{c.level.value}]{measured}: {c.detail}"
     ET.indent(suite)
     return ET.tostring(suite, encoding="unicode", xml_declaration=True) + "\n"
 

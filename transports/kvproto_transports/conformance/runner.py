@@ -51,8 +51,10 @@ def run_case(case: Case, factory: TransportFactory, *, strict: bool = False) -> 
         except Exception as exc:
             where = traceback.extract_tb(exc.__traceback__)[-1]
             verdict = Verdict.FAIL
-            detail = (f"raised {type(exc).__name__}: {exc} "
-                      f"(at {where.filename.rsplit('/', 1)[-1]}:{where.lineno})")
+            detail = (
+                f"raised {type(exc).__name__}: {exc} "
+                f"(at {where.filename.rsplit('/', 1)[-1]}:{where.lineno})"
+            )
         finally:
             ctx.close()
     return CaseResult(

@@ -36,4 +36,3 @@ __all__ = [
     "base_name",
     "conformance_factory",
 ]
-

@@ -241,9 +241,7 @@ class LoopbackNetwork:
         """Whether any link touching ``name`` (or the default) has ``fault`` switched on."""
         if getattr(self.default_link, fault) > 0:
             return True
-        return any(
-            getattr(f, fault) > 0 for (a, b), f in self._links.items() if name in (a, b)
-        )
+        return any(getattr(f, fault) > 0 for (a, b), f in self._links.items() if name in (a, b))
 
     # --- notifications -----------------------------------------------------------------
 
@@ -368,11 +366,19 @@ class LoopbackNetwork:
             if rlen != llen:
                 return f"region {r}: remote slice of {rlen} B into local slice of {llen} B"
             for lb, rb in zip(read.local_blocks, read.remote_blocks, strict=True):
-                plan.append(_copier(
-                    src=src_mem, src_addr=src_layout.region_addrs[r], src_block=rb,
-                    src_off=roff, dst=dst_mem, dst_addr=dst_layout.region_addrs[r],
-                    dst_block=lb, dst_off=loff, length=rlen,
-                ))
+                plan.append(
+                    _copier(
+                        src=src_mem,
+                        src_addr=src_layout.region_addrs[r],
+                        src_block=rb,
+                        src_off=roff,
+                        dst=dst_mem,
+                        dst_addr=dst_layout.region_addrs[r],
+                        dst_block=lb,
+                        dst_off=loff,
+                        length=rlen,
+                    )
+                )
         return plan
 
     # --- stats ---------------------------------------------------------------------------
@@ -385,8 +391,15 @@ class LoopbackNetwork:
 
 def _copier(
     *,
-    src: Memory, src_addr: int, src_block: int, src_off: int,
-    dst: Memory, dst_addr: int, dst_block: int, dst_off: int, length: int,
+    src: Memory,
+    src_addr: int,
+    src_block: int,
+    src_off: int,
+    dst: Memory,
+    dst_addr: int,
+    dst_block: int,
+    dst_off: int,
+    length: int,
 ) -> Callable[[], None]:
     def copy() -> None:
         dst.write(dst_addr, dst_block, dst_off, src.read(src_addr, src_block, src_off, length))

@@ -152,8 +152,9 @@ class Ucp:
             memory_type=UCS_MEMORY_TYPE_CUDA if cuda else UCS_MEMORY_TYPE_HOST,
         )
         memh = _vp()
-        self._check("ucp_mem_map", self._lib.ucp_mem_map(context, ctypes.byref(params),
-                                                         ctypes.byref(memh)))
+        self._check(
+            "ucp_mem_map", self._lib.ucp_mem_map(context, ctypes.byref(params), ctypes.byref(memh))
+        )
         return int(memh.value or 0)
 
     def mem_unmap(self, context: int, memh: int) -> None:
@@ -164,8 +165,10 @@ class Ucp:
         """The packed remote key a peer unpacks to read this memory."""
         buf = _vp()
         size = ctypes.c_size_t()
-        self._check("ucp_rkey_pack", self._lib.ucp_rkey_pack(context, memh, ctypes.byref(buf),
-                                                             ctypes.byref(size)))
+        self._check(
+            "ucp_rkey_pack",
+            self._lib.ucp_rkey_pack(context, memh, ctypes.byref(buf), ctypes.byref(size)),
+        )
         try:
             return ctypes.string_at(buf.value or 0, size.value)
         finally:
@@ -174,8 +177,9 @@ class Ucp:
     def rkey_unpack(self, ep: int, packed: bytes) -> int:
         """Unpack a peer's remote key on endpoint ``ep`` (only after the endpoint is wired up)."""
         rkey = _vp()
-        self._check("ucp_ep_rkey_unpack", self._lib.ucp_ep_rkey_unpack(ep, packed,
-                                                                       ctypes.byref(rkey)))
+        self._check(
+            "ucp_ep_rkey_unpack", self._lib.ucp_ep_rkey_unpack(ep, packed, ctypes.byref(rkey))
+        )
         return int(rkey.value or 0)
 
     def rkey_destroy(self, rkey: int) -> None:

@@ -54,8 +54,9 @@ class _Raw:
         self.ucp: Ucp = load_ucp()
         api = self.api
         feats = (api.Feature.TAG, api.Feature.RMA)
-        self.ctx = [api.UCXContext(dict(DEFAULT_UCX_OPTIONS), feature_flags=feats)
-                    for _ in range(2)]
+        self.ctx = [
+            api.UCXContext(dict(DEFAULT_UCX_OPTIONS), feature_flags=feats) for _ in range(2)
+        ]
         self.w = [api.UCXWorker(c) for c in self.ctx]
         self.ep = [
             api.UCXEndpoint.create_from_worker_address(
@@ -68,8 +69,10 @@ class _Raw:
         self.timeout_s = timeout_s
         for i in range(2):
             self._wait(self.ucp.flush(int(self.ep[i].handle)).request)
-        self.memh = [self.ucp.mem_map(self.ctx[0].handle, a, n * holder.num_blocks, cuda=False)
-                     for a, n in zip(holder.region_addrs, holder.block_lens, strict=True)]
+        self.memh = [
+            self.ucp.mem_map(self.ctx[0].handle, a, n * holder.num_blocks, cuda=False)
+            for a, n in zip(holder.region_addrs, holder.block_lens, strict=True)
+        ]
         keys = [self.ucp.rkey_pack(self.ctx[0].handle, m) for m in self.memh]
         self.rkeys = [self.ucp.rkey_unpack(int(self.ep[1].handle), k) for k in keys]
         self.holder, self.reader = holder, reader
@@ -131,8 +134,12 @@ class _Raw:
         segs = plan_read(self.reader, self.holder, local_blocks=local, remote_blocks=remote)
         t0 = time.perf_counter()
         handle = int(self.ep[1].handle)
-        reqs = [self.ucp.get(handle, s.local_addr, s.length, s.remote_addr,
-                             self.rkeys[s.region]).request for s in segs]
+        reqs = [
+            self.ucp.get(
+                handle, s.local_addr, s.length, s.remote_addr, self.rkeys[s.region]
+            ).request
+            for s in segs
+        ]
         for req in reqs:
             self._wait(req)
         self._send(1, b"done")
@@ -182,8 +189,7 @@ class _Kv:
 
     def read(self, local: list[int], remote: list[int]) -> float:
         t0 = time.perf_counter()
-        rid = self.b.read_blocks(self.pa, local_blocks=local, remote_blocks=remote,
-                                 notify=b"done")
+        rid = self.b.read_blocks(self.pa, local_blocks=local, remote_blocks=remote, notify=b"done")
         self._wait(self.b, lambda e: isinstance(e, ReadCompleted) and e.read_id == rid, "read")
         elapsed = time.perf_counter() - t0
         self._wait(self.a, lambda e: isinstance(e, Received) and e.payload == b"done", "notify")
@@ -211,8 +217,9 @@ def measure_overhead(
     shape = (regions, num_blocks, block_len)
     mems = [np.full(shape, i, dtype=np.uint8) for i in range(4)]
     for r in range(regions):  # distinct holder bytes, to check what moved
-        mems[0][r] = np.arange(num_blocks * block_len, dtype=np.uint8).reshape(
-            num_blocks, block_len) + r
+        mems[0][r] = (
+            np.arange(num_blocks * block_len, dtype=np.uint8).reshape(num_blocks, block_len) + r
+        )
         mems[2][r] = mems[0][r]
     layouts = [host_layout(m, regions, num_blocks, block_len) for m in mems]
     got, want = partial_hit(blocks, num_blocks)
@@ -227,7 +234,7 @@ def measure_overhead(
     try:
         samples = interleave(steps, iterations)
         for holder, reader in ((0, 1), (2, 3)):
-            if not np.array_equal(mems[reader][:, :blocks], mems[holder][:, num_blocks - blocks:]):
+            if not np.array_equal(mems[reader][:, :blocks], mems[holder][:, num_blocks - blocks :]):
                 raise RuntimeError("the read did not move the expected bytes")
     finally:
         kv.close()

@@ -217,9 +217,7 @@ class Engine:
         self._api, self._array = load_ucxx()
         self._ucp = load_ucp()
         api = self._api
-        options = {
-            k: v for k, v in self._cfg.ucx_options.items() if f"UCX_{k}" not in os.environ
-        }
+        options = {k: v for k, v in self._cfg.ucx_options.items() if f"UCX_{k}" not in os.environ}
         feats = (api.Feature.TAG, api.Feature.RMA, api.Feature.WAKEUP)
         self._ctx = api.UCXContext(options, feature_flags=feats)
         self._worker = api.UCXWorker(self._ctx)
@@ -306,8 +304,13 @@ class Engine:
             return
         key = self._next_key
         self._next_key += 1
-        conn = _Conn(key=key, peer=cmd.peer, ep=ep, rkeys_packed=cmd.rkeys,
-                     connect_by=time.monotonic() + self._cfg.connect_timeout_s)
+        conn = _Conn(
+            key=key,
+            peer=cmd.peer,
+            ep=ep,
+            rkeys_packed=cmd.rkeys,
+            connect_by=time.monotonic() + self._cfg.connect_timeout_s,
+        )
         # A list's append, not a bound method: the endpoint must not reference the
         # engine, or the cycle leaves UCX objects to a later GC on another thread.
         ep.set_close_callback(self._closed_keys.append, cb_args=(key,))
@@ -340,8 +343,9 @@ class Engine:
         keys: list[bytes] = []
         try:
             for addr, block_len in zip(layout.region_addrs, layout.block_lens, strict=True):
-                memh = self._ucp.mem_map(self._ctx.handle, addr, block_len * layout.num_blocks,
-                                         cuda=cuda)
+                memh = self._ucp.mem_map(
+                    self._ctx.handle, addr, block_len * layout.num_blocks, cuda=cuda
+                )
                 mapped.append(memh)
                 keys.append(self._ucp.rkey_pack(self._ctx.handle, memh))
         except UcpError as exc:
@@ -480,8 +484,9 @@ class Engine:
 
     def _connected(self, conn: _Conn) -> None:
         conn.ready = True
-        self._send_frame(conn, FrameKind.HELLO, hello_body(self._cfg.local_peer, conn.peer),
-                         counted=False)
+        self._send_frame(
+            conn, FrameKind.HELLO, hello_body(self._cfg.local_peer, conn.peer), counted=False
+        )
         queued, conn.queued = conn.queued, deque()
         for kind, body, counted in queued:
             self._send_frame(conn, kind, body, counted=counted)
@@ -589,8 +594,9 @@ class Engine:
             return
         handle = int(conn.ep.handle)
         for seg in op.segments:
-            started = self._ucp.get(handle, seg.local_addr, seg.length, seg.remote_addr,
-                                    conn.rkeys[seg.region])
+            started = self._ucp.get(
+                handle, seg.local_addr, seg.length, seg.remote_addr, conn.rkeys[seg.region]
+            )
             with self._shared.lock:
                 self._shared.stats.gets_issued += 1
             if started.request:
@@ -681,8 +687,11 @@ class Engine:
         self._worker = None
         self._ctx = None
         self._any_tag = self._no_mask = None
-        log.debug("UCX worker and context of %s destroyed in %.3f s",
-                  self._cfg.local_peer, time.monotonic() - t0)
+        log.debug(
+            "UCX worker and context of %s destroyed in %.3f s",
+            self._cfg.local_peer,
+            time.monotonic() - t0,
+        )
 
     @staticmethod
     def _quiet(fn: Callable[..., object], *args: object) -> None:

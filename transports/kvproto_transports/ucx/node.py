@@ -65,8 +65,9 @@ class _Child:
         self.t = self._cls(**kwargs)
         return str(self.t.local_peer)
 
-    def memory(self, *, num_regions: int, block_len: int, num_blocks: int,
-               seed: int | None) -> BlockLayout:
+    def memory(
+        self, *, num_regions: int, block_len: int, num_blocks: int, seed: int | None
+    ) -> BlockLayout:
         """Numpy regions, filled with :func:`block_pattern` (or zeros), registered."""
         import numpy as np
 
@@ -75,8 +76,9 @@ class _Child:
             arr = np.zeros(block_len * num_blocks, dtype=np.uint8)
             if seed is not None:
                 for b in range(num_blocks):
-                    arr[b * block_len:(b + 1) * block_len] = np.frombuffer(
-                        block_pattern(seed, region, b, block_len), dtype=np.uint8)
+                    arr[b * block_len : (b + 1) * block_len] = np.frombuffer(
+                        block_pattern(seed, region, b, block_len), dtype=np.uint8
+                    )
             self.arrays.append(arr)
         layout = BlockLayout(
             region_addrs=tuple(int(a.ctypes.data) for a in self.arrays),
@@ -90,7 +92,7 @@ class _Child:
     def block(self, *, region: int, block: int) -> bytes:
         assert self.layout is not None
         n = self.layout.block_lens[region]
-        return bytes(self.arrays[region][block * n:(block + 1) * n])
+        return bytes(self.arrays[region][block * n : (block + 1) * n])
 
     def metadata(self) -> bytes:
         return bytes(self.t.metadata())
@@ -108,14 +110,26 @@ class _Child:
         for p in payloads:
             self.t.send(peer, p)
 
-    def read(self, *, peer: PeerId, local_blocks: list[int], remote_blocks: list[int],
-             local_slice: tuple[int, int] = (0, 1), remote_slice: tuple[int, int] = (0, 1),
-             notify: bytes | None = None) -> int:
-        return int(self.t.read_blocks(
-            peer, local_blocks=local_blocks, remote_blocks=remote_blocks,
-            local_slice=BlockSlice(index=local_slice[0], parts=local_slice[1]),
-            remote_slice=BlockSlice(index=remote_slice[0], parts=remote_slice[1]),
-            notify=notify))
+    def read(
+        self,
+        *,
+        peer: PeerId,
+        local_blocks: list[int],
+        remote_blocks: list[int],
+        local_slice: tuple[int, int] = (0, 1),
+        remote_slice: tuple[int, int] = (0, 1),
+        notify: bytes | None = None,
+    ) -> int:
+        return int(
+            self.t.read_blocks(
+                peer,
+                local_blocks=local_blocks,
+                remote_blocks=remote_blocks,
+                local_slice=BlockSlice(index=local_slice[0], parts=local_slice[1]),
+                remote_slice=BlockSlice(index=remote_slice[0], parts=remote_slice[1]),
+                notify=notify,
+            )
+        )
 
     def set_echo(self, *, on: bool) -> None:
         """Send every received notification straight back to its sender."""
@@ -141,8 +155,9 @@ class _Child:
         out, self.events = self.events, []
         return out
 
-    def wait_events(self, *, count: int, kinds: tuple[str, ...] = (),
-                    timeout_s: float = 10.0) -> list[tuple[float, TransportEvent]]:
+    def wait_events(
+        self, *, count: int, kinds: tuple[str, ...] = (), timeout_s: float = 10.0
+    ) -> list[tuple[float, TransportEvent]]:
         """Poll until ``count`` events (of the named classes, if given) arrived; the rest stay."""
         deadline = time.monotonic() + timeout_s
         got: list[tuple[float, TransportEvent]] = []
@@ -173,7 +188,7 @@ class _Child:
                     for region, arr in enumerate(self.arrays):
                         n = self.layout.block_lens[region]
                         for b in self.scribble[ev.payload]:
-                            arr[b * n:(b + 1) * n] = 0xEE
+                            arr[b * n : (b + 1) * n] = 0xEE
                 if self.echo:
                     self.t.send(ev.peer, ev.payload)
             self.events.append((now, ev))
@@ -217,8 +232,15 @@ class _Child:
 
         ctx: Any = zmq.Context()
         try:
-            reply = fetch_metadata(ctx, "127.0.0.1", port, 0, requester=self.t.local_peer,
-                                   compat_hash=compat_hash, requester_metadata=self.t.metadata())
+            reply = fetch_metadata(
+                ctx,
+                "127.0.0.1",
+                port,
+                0,
+                requester=self.t.local_peer,
+                compat_hash=compat_hash,
+                requester_metadata=self.t.metadata(),
+            )
         finally:
             ctx.term()
         return str(self.t.add_peer(reply.metadata))

@@ -81,8 +81,9 @@ def plan_read(
                 run_n += length  # contiguous on both sides: extend the run
                 continue
             if run_n > 0:
-                out.append(Segment(region=region, local_addr=run_l, remote_addr=run_r,
-                                   length=run_n))
+                out.append(
+                    Segment(region=region, local_addr=run_l, remote_addr=run_r, length=run_n)
+                )
             run_l, run_r, run_n = la, ra, length
         if run_n > 0:
             out.append(Segment(region=region, local_addr=run_l, remote_addr=run_r, length=run_n))

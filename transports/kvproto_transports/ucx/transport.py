@@ -361,9 +361,14 @@ class UcxTransport:
                     raise MemoryNotRegistered("no local memory registered")
                 if state.layout is None:
                     raise MemoryNotRegistered(f"peer {peer} advertised no registered memory")
-                segments = plan_read(self._layout, state.layout, local_blocks=local_blocks,
-                                     remote_blocks=remote_blocks, local_slice=local_slice,
-                                     remote_slice=remote_slice)
+                segments = plan_read(
+                    self._layout,
+                    state.layout,
+                    local_blocks=local_blocks,
+                    remote_blocks=remote_blocks,
+                    local_slice=local_slice,
+                    remote_slice=remote_slice,
+                )
             else:
                 segments = []
             read_id = self._next_read
