@@ -52,6 +52,7 @@ def test_example_serves_until_ctrl_c_then_leaves_nothing_behind(tmp_path: Path) 
     base, side, router, metrics_port = free_port(), free_port(), free_port(), free_port()
     while not (port_is_free(base + 100) and port_is_free(side + 100)):
         base, side = free_port(), free_port()
+    started: set[int] = set()
     argv = [
         sys.executable,
         "-m",
@@ -93,9 +94,19 @@ def test_example_serves_until_ctrl_c_then_leaves_nothing_behind(tmp_path: Path) 
         os.kill(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=90) == 0
     finally:
+        # A failed assertion above must not leak the servers (each leads a session of its
+        # own, so killing the CLI's group would not reach them): let the CLI stop them,
+        # then kill whatever is left.
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+            left = _started_by(proc.pid)
+            os.kill(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=30)
+            for pid in left & set(_processes()):
+                os.kill(pid, signal.SIGKILL)
     text = log.read_text(errors="replace")
     assert "stopped: every process exited" in text and "ports still bound" not in text
     assert not started & set(_processes())
