@@ -1,4 +1,4 @@
-"""atheris target: side-channel handshake payloads (kvproto_transports.sidechannel.wire).
+"""atheris target: side-channel handshake payloads (kvproto_binding.sidechannel.wire).
 
 The listener decodes requests with ``decode_request`` and answers ``MalformedHandshake``
 with an error reply; the client does the same for replies with ``decode_reply`` (and
@@ -19,7 +19,7 @@ with atheris.instrument_imports(include=["kvproto_transports"]):
     from _harness import write_seeds
 
     from kvproto.errors import RemoteProtocolError
-    from kvproto_transports.sidechannel import wire
+    from kvproto_binding.sidechannel import wire
 
 
 def TestOneInput(data: bytes) -> None:

@@ -6,7 +6,7 @@ from kvproto.config import LeaseConfig
 from kvproto.events import ReadDeclined, ReadDeferred, ReadGo, ReleaseReason
 from kvproto.holder import Holder
 from kvproto.reader import Reader
-from kvproto_transports.binding import Endpoint, frame_tag
+from kvproto_binding.endpoint import Endpoint, frame_tag
 from kvproto_transports.loopback import LinkFaults, LoopbackNetwork
 from tests.core.pair import counter_entropy
 

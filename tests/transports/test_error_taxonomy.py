@@ -18,8 +18,8 @@ from kvproto import wire
 from kvproto.errors import RemoteProtocolError
 from kvproto.ticket import LeaseTicket
 from kvproto.transport import BadMetadata, TransportError
+from kvproto_binding.sidechannel import wire as sc_wire
 from kvproto_transports.nixl import wire as nixl_wire
-from kvproto_transports.sidechannel import wire as sc_wire
 from kvproto_transports.ucx import wire as ucx_wire
 
 REPLY = sc_wire.HandshakeReply(

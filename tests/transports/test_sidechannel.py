@@ -10,7 +10,7 @@ import msgspec
 import pytest
 import zmq
 
-from kvproto_transports.sidechannel import (
+from kvproto_binding.sidechannel import (
     AuthenticationFailed,
     CircuitOpen,
     CompatMismatch,

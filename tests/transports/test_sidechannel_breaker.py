@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvproto_transports.sidechannel import CircuitBreaker
+from kvproto_binding.sidechannel import CircuitBreaker
 
 
 def test_opens_after_threshold_then_lets_one_trial_through() -> None:

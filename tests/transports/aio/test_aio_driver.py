@@ -1,4 +1,4 @@
-"""The asyncio driver (kvproto_transports.aio) over loopback (exact times) and real UCX.
+"""The asyncio driver (kvproto_binding.aio) over loopback (exact times) and real UCX.
 
 Loopback cases run on an event loop with a virtual clock: when nothing is
 ready, time jumps to the next handle, so a 100 s lease scenario takes
@@ -41,8 +41,8 @@ from kvproto.states import LeaseState
 from kvproto.ticket import LeaseTicket
 from kvproto.tpmath import BlockSlice
 from kvproto.transport import PeerId, ReadId, TransportEvent
-from kvproto_transports.aio import AsyncEndpoint, DriverClosed, Happened, Wakeable
-from kvproto_transports.binding import Endpoint
+from kvproto_binding.aio import AsyncEndpoint, DriverClosed, Happened, Wakeable
+from kvproto_binding.endpoint import Endpoint
 from kvproto_transports.forwarding import ForwardingTransport
 from kvproto_transports.loopback import LinkFaults, LoopbackNetwork, LoopbackTransport
 from kvproto_transports.ucx import ucx_available, unavailable_reason

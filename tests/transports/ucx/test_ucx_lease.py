@@ -17,7 +17,7 @@ from kvproto.config import LeaseConfig
 from kvproto.events import ReadGo, ReleaseReason
 from kvproto.holder import Holder
 from kvproto.reader import Reader
-from kvproto_transports.binding import Endpoint
+from kvproto_binding.endpoint import Endpoint
 from kvproto_transports.conformance.hostmem import HostMemory
 from kvproto_transports.ucx import UcxTransport, ucx_available, unavailable_reason
 

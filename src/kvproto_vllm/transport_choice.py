@@ -24,13 +24,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvproto_transports.sidechannel import CompatMismatch, HandshakeClient, HandshakeFailed
+from kvproto_binding.sidechannel import CompatMismatch, HandshakeClient, HandshakeFailed
 
 from .config import KV_TRANSPORTS
 
 if TYPE_CHECKING:
     from kvproto.transport import Transport
-    from kvproto_transports.sidechannel.client import HandshakeResult
+    from kvproto_binding.sidechannel.client import HandshakeResult
 
     from .config import AdapterConfig
 

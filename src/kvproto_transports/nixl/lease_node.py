@@ -1,10 +1,10 @@
 """A child-process node that also runs the lease cores over its NixlTransports.
 
-Each lease endpoint is the real binding (:class:`kvproto_transports.binding.Endpoint`)
+Each lease endpoint is the real binding (:class:`kvproto_binding.endpoint.Endpoint`)
 stepped with ``time.monotonic()`` every tick of the node loop. A holder engine
 gets its own side-channel server and adds every reader that introduces itself;
 a reader engine answers the core's ``Connect`` with a non-blocking
-:class:`~kvproto_transports.sidechannel.HandshakeClient`. Used by the NIXL
+:class:`~kvproto_binding.sidechannel.HandshakeClient`. Used by the NIXL
 end-to-end lease tests (``NodeProcess(node_cls="kvproto_transports.nixl.lease_node:LeaseNode")``).
 """
 
@@ -17,8 +17,8 @@ from kvproto.config import LeaseConfig
 from kvproto.holder import Holder
 from kvproto.reader import Reader
 from kvproto.ticket import LeaseTicket
-from kvproto_transports.binding import Endpoint
-from kvproto_transports.sidechannel import (
+from kvproto_binding.endpoint import Endpoint
+from kvproto_binding.sidechannel import (
     HandshakeClient,
     HandshakeSucceeded,
     SideChannelServer,

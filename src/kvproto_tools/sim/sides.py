@@ -7,7 +7,7 @@ collects what happened as :class:`Effects`.
 
 * :class:`KvprotoSide` runs the real core (:class:`kvproto.holder.Holder`,
   :class:`kvproto.reader.Reader`) through the project's binding
-  (:class:`kvproto_transports.binding.Endpoint`), exactly as a deployment does.
+  (:class:`kvproto_binding.endpoint.Endpoint`), exactly as a deployment does.
 * :class:`VllmSide` runs the restatement of vLLM 0.32.0's leases
   (:mod:`kvproto_tools.baselines.vllm_lease`); with heartbeats off it is vLLM
   before leases (one fixed timeout).
@@ -40,6 +40,7 @@ from kvproto.transport import (
     Received,
     UnknownPeer,
 )
+from kvproto_binding.endpoint import Endpoint, StepResult
 from kvproto_tools.baselines.vllm_lease import (
     VllmLeaseConfig,
     VllmLeaseHolder,
@@ -48,7 +49,6 @@ from kvproto_tools.baselines.vllm_lease import (
     turn2_read_allowed,
     worker_heartbeats,
 )
-from kvproto_transports.binding import Endpoint, StepResult
 
 if TYPE_CHECKING:
     from kvproto_tools.sim.model import Hold, Req

@@ -209,7 +209,7 @@ class _Child:
 
     def serve(self, *, compat_hash: bytes) -> int:
         """Publish this endpoint's metadata as rank 0 on a ZMQ side channel; returns the port."""
-        from kvproto_transports.sidechannel import SideChannelServer
+        from kvproto_binding.sidechannel import SideChannelServer
 
         self.server = SideChannelServer(host="127.0.0.1", base_port=0, compat_hash=compat_hash)
         self.server.set_metadata(0, self.t.metadata())
@@ -228,7 +228,7 @@ class _Child:
         """Fetch rank 0's metadata over the side channel (introducing ourselves); add it."""
         import zmq
 
-        from kvproto_transports.sidechannel import fetch_metadata
+        from kvproto_binding.sidechannel import fetch_metadata
 
         ctx: Any = zmq.Context()
         try:

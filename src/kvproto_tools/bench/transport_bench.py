@@ -19,10 +19,10 @@ from kvproto import wire
 from kvproto.config import LeaseConfig
 from kvproto.holder import Holder
 from kvproto.reader import Reader
+from kvproto_binding.endpoint import Endpoint
 from kvproto_tools.bench.figures import Figure
 from kvproto_tools.bench.plan import Plan
 from kvproto_tools.bench.timing import paired_ns, quiet_gc
-from kvproto_transports.binding import Endpoint
 from kvproto_transports.loopback import DEFAULT_MAX_NOTIFICATION_SIZE, LoopbackNetwork
 
 READ_BLOCKS = 64

@@ -221,7 +221,7 @@ class Node:
     # -- side channel -----------------------------------------------------------
 
     def serve(self, compat_hash: bytes, ranks: dict[int, str], secret: bytes | None = None) -> int:
-        from kvproto_transports.sidechannel import SideChannelServer
+        from kvproto_binding.sidechannel import SideChannelServer
 
         if self.server is not None:
             self.server.close()
@@ -250,7 +250,7 @@ class Node:
         """Fetch a holder rank's metadata over the side channel and add it as a peer."""
         import zmq
 
-        from kvproto_transports.sidechannel import fetch_metadata
+        from kvproto_binding.sidechannel import fetch_metadata
 
         t = self.transports[key]
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()

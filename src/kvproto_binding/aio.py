@@ -1,4 +1,4 @@
-"""An asyncio driver for :class:`~kvproto_transports.binding.Endpoint`.
+"""An asyncio driver for :class:`~kvproto_binding.endpoint.Endpoint`.
 
 aioquic's ``asyncio/protocol.py`` for kvproto: the cores stay sans-I/O and
 synchronous; this module is the only place where asyncio meets them. It
@@ -52,7 +52,7 @@ from kvproto.reader import Reader
 from kvproto.ticket import LeaseTicket
 from kvproto.transport import PeerId
 
-from .binding import Endpoint
+from .endpoint import Endpoint
 
 log = logging.getLogger("kvproto.aio")
 

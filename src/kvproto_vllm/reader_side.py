@@ -31,8 +31,8 @@ from kvproto.events import ReadDeclined, ReadDeferred, RequestFailed
 from kvproto.reader import Reader
 from kvproto.tpmath import target_remote_ranks
 from kvproto.transport import TransportError
-from kvproto_transports.binding import Endpoint, StepResult
-from kvproto_transports.sidechannel import (
+from kvproto_binding.endpoint import Endpoint, StepResult
+from kvproto_binding.sidechannel import (
     CompatMismatch,
     HandshakeClient,
     HandshakeFailed,

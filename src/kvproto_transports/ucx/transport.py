@@ -299,7 +299,7 @@ class UcxTransport:
         are unpolled (so possibly again before the next ``poll``): it must be
         cheap, thread-safe and must not call this transport (asyncio:
         ``loop.call_soon_threadsafe`` behind a flag, see
-        :mod:`kvproto_transports.aio`).
+        :mod:`kvproto_binding.aio`).
         """
         self._engine.wakeup = callback
         if callback is not None and self._shared.events:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvproto.reader import Reader
 from kvproto.transport import Transport, TransportError
-from kvproto_transports.binding import Endpoint
+from kvproto_binding.endpoint import Endpoint
 
 from .compat import (
     compat_factors,
@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
 
-    from kvproto_transports.sidechannel import SideChannelServer
+    from kvproto_binding.sidechannel import SideChannelServer
 
     from .transport_choice import TransportAwareClient
 
@@ -135,7 +135,7 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         # tensor_layout imports neither NIXL nor torch: it serves every transport.
-        from kvproto_transports.sidechannel import SideChannelServer
+        from kvproto_binding.sidechannel import SideChannelServer
         from kvproto_transports.tensor_layout import layout_from_tensors
 
         from .transport_choice import TransportAwareClient, build_transport
