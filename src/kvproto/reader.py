@@ -61,6 +61,7 @@ from kvproto.events import (
     RequestFailed,
     SendFrame,
 )
+from kvproto.leaseset import LeaseSet, digest_without
 from kvproto.states import (
     READ_TRANSITIONS,
     ReadInput,
@@ -159,9 +160,8 @@ class _Session:
     last_beat: float = -math.inf
     """When the last heartbeat left (deferrals of one instant share it)."""
     next_beat: float = math.inf
-    leases: dict[int, str] = field(default_factory=dict)
-    count: int = 0
-    digest: int = 0
+    leases: LeaseSet[str] = field(default_factory=LeaseSet)
+    """Lease id → the request whose lease it is (ids repeat across incarnations)."""
     pending_claims: dict[int, bytes] = field(default_factory=dict)
     pending_aborts: dict[int, bytes] = field(default_factory=dict)
     inflight: dict[int, _Inflight] = field(default_factory=dict)
@@ -536,7 +536,7 @@ class Reader:
         at once and tells sooner.
         """
         stretch = 1 + self._drift
-        for rid in {*session.leases.values(), *session.parked}:
+        for rid in {*session.leases.owners(), *session.parked}:
             req = self._requests.get(rid)
             if req is None or req.failed:
                 continue
@@ -565,7 +565,7 @@ class Reader:
         parked = [self._requests[rid] for rid in reversed(session.parked) if rid in self._requests]
         acked: list[_Request] = []
         other: list[_Request] = []
-        for rid in reversed(session.leases.values()):
+        for rid in session.leases.owners(newest_first=True):
             req = self._requests.get(rid)
             if req is None:
                 continue
@@ -692,7 +692,7 @@ class Reader:
         for lease, left in ack.held:
             if session.pending_claims.pop(lease, None) is None and lease not in sent.claims:
                 continue
-            rid = session.leases.get(lease)
+            rid = session.leases.owner(lease)
             req = None if rid is None else self._requests.get(rid)
             if req is None:
                 continue
@@ -812,15 +812,15 @@ class Reader:
             part_claims = [c for is_claim, c in part if is_claim]
             part_aborts = [c for is_claim, c in part if not is_claim]
             later_count -= len(part_claims)
-            later_digest = (later_digest - wire.digest(c.lease for c in part_claims)) & wire.MAX_U64
+            later_digest = digest_without(later_digest, (c.lease for c in part_claims))
             session.seq += 1
             session.last_beat = now
             hb = wire.Heartbeat(
                 seq=session.seq,
                 claims=part_claims,
                 aborts=part_aborts,
-                count=session.count - later_count,
-                digest=(session.digest - later_digest) & wire.MAX_U64,
+                count=session.leases.count - later_count,
+                digest=(session.leases.digest - later_digest) & wire.MAX_U64,
                 full=full if index == 0 else None,
             )
             payload = wire.encode(hb, session.up)
@@ -860,12 +860,10 @@ class Reader:
         session.pending_claims[lease] = req.proof
 
     def _hold(self, session: _Session, lease: int, request_id: str) -> None:
-        session.leases[lease] = request_id
-        session.count += 1
-        session.digest = (session.digest + wire.id_hash(lease)) & wire.MAX_U64
+        session.leases.add(lease, request_id)
 
     def _release(self, now: float, session: _Session, lease: int, request_id: str) -> bool:
-        if session.leases.get(lease) != request_id:
+        if session.leases.owner(lease) != request_id:
             return False  # not held (or the id is another incarnation's request)
         req = self._requests.get(request_id)
         part = None if req is None else req.parts.get(session.rank)
@@ -873,9 +871,7 @@ class Reader:
             # Later in-sync heartbeats no longer cover this lease: keep what the
             # earlier ones proved, and stop deriving anything new from them.
             part.lower_bound = max(part.lower_bound, self._in_sync_bound(req, part, session, now))
-        del session.leases[lease]
-        session.count -= 1
-        session.digest = (session.digest - wire.id_hash(lease)) & wire.MAX_U64
+        session.leases.discard(lease)
         session.pending_claims.pop(lease, None)
         return True
 
@@ -942,7 +938,7 @@ class Reader:
         session.pending_aborts.clear()
         session.inflight.clear()
         session.up = session.down = session.prev_down = b""
-        for rid in {*session.leases.values(), *session.parked}:
+        for rid in {*session.leases.owners(), *session.parked}:
             req = self._requests.get(rid)
             if req is not None:
                 self._fail(now, req, reason)
@@ -967,7 +963,7 @@ class Reader:
             session.state is SessionState.OPEN
             and params is not None
             and session.incarnation == req.ticket.holder_incarnation
-            and session.leases.get(req.ticket.lease) == req.request_id
+            and session.leases.owner(req.ticket.lease) == req.request_id
             and margin < params.extension * (1 - self._drift)
             and now + margin < self._hard_bound(req, session, now)
             and not self._lapsed(req, session, params, now)
@@ -1051,7 +1047,7 @@ class Reader:
         if session.incarnation is not None and req.ticket.holder_incarnation != session.incarnation:
             return -math.inf  # a ticket of another holder process: nothing is known
         bound = max(part.lower_bound, self._ticket_bound(req, session, now))
-        if session.leases.get(req.ticket.lease) == req.request_id:
+        if session.leases.owner(req.ticket.lease) == req.request_id:
             bound = max(bound, self._in_sync_bound(req, part, session, now))
         return bound
 
@@ -1094,7 +1090,7 @@ class Reader:
         params = session.params
         if params is not None:
             return params.interval
-        for rid in session.leases.values():
+        for rid in session.leases.owners():
             return self._requests[rid].ticket.params.interval
         return self.config.heartbeat_interval
 
