@@ -152,6 +152,14 @@ class MemoryNotRegistered(TransportError):
     """A read names blocks outside the registered layout, locally or at the peer."""
 
 
+class RegistrationError(TransportError):
+    """Memory could not be registered (a second registration, or the transport refused it)."""
+
+
+class LayoutMismatch(TransportError):
+    """The local and remote layouts cannot be paired for this read (regions or lengths differ)."""
+
+
 @runtime_checkable
 class Transport(Protocol):
     """One endpoint of a transport. See the module docstring for the model."""

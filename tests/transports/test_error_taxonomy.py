@@ -67,3 +67,15 @@ def test_a_non_finite_server_time_is_refused() -> None:
 @pytest.mark.parametrize("data", BAD_INPUTS)
 def test_ucx_hello_is_a_hello_or_none(data: bytes) -> None:
     assert ucx_wire.decode_hello(data) is None
+
+
+def test_layout_and_registration_errors_are_one_class_for_every_transport() -> None:
+    """Issue 18: generic code catches ``kvproto.transport.LayoutMismatch`` from any transport."""
+    from kvproto import transport
+    from kvproto_transports import nixl, ucx
+
+    for module in (nixl, ucx, nixl.errors, ucx.errors):
+        assert module.LayoutMismatch is transport.LayoutMismatch
+        assert module.RegistrationError is transport.RegistrationError
+    assert issubclass(transport.LayoutMismatch, TransportError)
+    assert issubclass(transport.RegistrationError, TransportError)

@@ -1,8 +1,15 @@
-"""Errors specific to the NIXL transport; all are kvproto TransportErrors."""
+"""Errors specific to the NIXL transport; all are kvproto TransportErrors.
+
+``LayoutMismatch`` and ``RegistrationError`` are shared by every transport and
+defined once in :mod:`kvproto.transport`; they are re-exported here so that
+``from kvproto_transports.nixl.errors import LayoutMismatch`` keeps working.
+"""
 
 from __future__ import annotations
 
-from kvproto.transport import TransportError
+from kvproto.transport import LayoutMismatch, RegistrationError, TransportError
+
+__all__ = ["LayoutMismatch", "RegistrationError", "WrongThread"]
 
 
 class WrongThread(TransportError):
@@ -12,11 +19,3 @@ class WrongThread(TransportError):
     vLLM itself keeps every NIXL call on one thread ("NIXL is not guaranteed to be
     thread-safe"), so the endpoint refuses instead of racing.
     """
-
-
-class RegistrationError(TransportError):
-    """Memory could not be registered (a second registration, or NIXL refused it)."""
-
-
-class LayoutMismatch(TransportError):
-    """The local and remote layouts cannot be paired for this read (regions or lengths differ)."""

@@ -1,20 +1,19 @@
-"""Errors specific to the UCX transport; all are kvproto TransportErrors."""
+"""Errors specific to the UCX transport; all are kvproto TransportErrors.
+
+``LayoutMismatch`` and ``RegistrationError`` are shared by every transport and
+defined once in :mod:`kvproto.transport`; they are re-exported here so that
+``from kvproto_transports.ucx.errors import LayoutMismatch`` keeps working.
+"""
 
 from __future__ import annotations
 
-from kvproto.transport import TransportError
+from kvproto.transport import LayoutMismatch, RegistrationError, TransportError
+
+__all__ = ["Backpressure", "LayoutMismatch", "RegistrationError", "UcxUnavailable"]
 
 
 class UcxUnavailable(TransportError):
     """ucxx (``pip install ucxx-cu12``) cannot be imported or UCX failed to start."""
-
-
-class RegistrationError(TransportError):
-    """Memory could not be registered (a second registration, or UCX refused it)."""
-
-
-class LayoutMismatch(TransportError):
-    """The local and remote layouts cannot be paired for this read (regions or lengths differ)."""
 
 
 class Backpressure(TransportError):
