@@ -17,21 +17,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.vllm.fixtures import mark_vllm_under, tiny_model_dir
+
+__all__ = ["tiny_model_dir"]  # the shared session fixture, collected from here
+
 HERE = Path(__file__).resolve().parent
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Everything under tests/vllm needs vLLM: mark it so `-m "not vllm"` works."""
-    for item in items:
-        if HERE in item.path.resolve().parents:
-            item.add_marker(pytest.mark.vllm)
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random tiny Llama + BPE tokenizer on disk (built once per session)."""
-    pytest.importorskip("transformers", reason="transformers comes with vllm")
-    from .tiny_model import build_tiny_llama
-
-    model_dir: Path = build_tiny_llama(tmp_path_factory.mktemp("tinyllama"))
-    return model_dir
+    """Everything under tests/vllm needs vLLM."""
+    mark_vllm_under(HERE, items)

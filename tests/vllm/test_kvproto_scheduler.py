@@ -44,16 +44,8 @@ NUM_BLOCKS = 64
 
 def make_scheduler(model: Path, role: str, *, max_num_seqs: int = 8, **extra: Any) -> Any:
     """A real Scheduler; ``extra`` goes to kv_connector_extra_config."""
-    import torch
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-    )
-    from vllm.v1.structured_output import StructuredOutputManager
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = EngineArgs(
@@ -66,7 +58,20 @@ def make_scheduler(model: Path, role: str, *, max_num_seqs: int = 8, **extra: An
         enable_prefix_caching=False,
         kv_transfer_config=KVTransferConfig(**kvproto_config(role, **extra)),
     )
-    cfg = args.create_engine_config()
+    return scheduler_on(args.create_engine_config())
+
+
+def scheduler_on(cfg: Any) -> Any:
+    """A real Scheduler on ``cfg`` (a VllmConfig) over NUM_BLOCKS blocks of the tiny model."""
+    import torch
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+    )
+    from vllm.v1.structured_output import StructuredOutputManager
+
     cfg.cache_config.num_gpu_blocks = NUM_BLOCKS
     kv_cache_config = KVCacheConfig(
         num_blocks=NUM_BLOCKS,

@@ -29,7 +29,6 @@ import tests.vllm.test_kvproto_scheduler as scenarios  # noqa: E402
 from tests.vllm.kvproto_config import kvproto_config  # noqa: E402
 from tests.vllm.test_kvproto_scheduler import (  # noqa: E402
     BLOCK,
-    NUM_BLOCKS,
     free_blocks,
     prefill_params,
     request,
@@ -73,33 +72,10 @@ __all__ = [  # collected here, run against vLLM 0.33
 
 def make_scheduler(model: Path, role: str, *, max_num_seqs: int = 8, **extra: Any) -> Any:
     """tests/vllm's make_scheduler, on a device-free VllmConfig."""
-    import torch
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-    )
-    from vllm.v1.structured_output import StructuredOutputManager
-
-    cfg = device_free_config(
-        model, kvproto_config(role, **extra), block_size=BLOCK, max_num_seqs=max_num_seqs
-    )
-    cfg.cache_config.num_gpu_blocks = NUM_BLOCKS
-    kv_cache_config = KVCacheConfig(
-        num_blocks=NUM_BLOCKS,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(
-                ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"],
-                FullAttentionSpec(
-                    block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32
-                ),
-            )
-        ],
-    )
-    return Scheduler(
-        cfg, kv_cache_config, StructuredOutputManager(cfg), block_size=BLOCK, log_stats=True
+    return scenarios.scheduler_on(
+        device_free_config(
+            model, kvproto_config(role, **extra), block_size=BLOCK, max_num_seqs=max_num_seqs
+        )
     )
 
 
