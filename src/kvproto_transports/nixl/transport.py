@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from kvproto.errors import LocalProtocolError
-from kvproto.tpmath import BlockLayout, BlockSlice, descriptor_ids
+from kvproto.tpmath import BlockLayout, BlockSlice
 from kvproto.transport import (
     BadMetadata,
     Capabilities,
@@ -57,6 +57,7 @@ from kvproto.transport import (
 )
 
 from ._binding import NixlApi, load_nixl
+from .descriptor_ids import DescriptorIds
 from .errors import LayoutMismatch, RegistrationError, WrongThread
 from .wire import (
     WIRE_KIND,
@@ -117,6 +118,10 @@ class _Peer:
     layout: BlockLayout | None
     dlists: dict[BlockSlice, Any] = field(default_factory=dict)
     lost: str | None = None
+    ids: DescriptorIds | None = None
+    """Descriptor indices of the peer's layout (built on the first read)."""
+    paired: set[tuple[BlockSlice, BlockSlice]] = field(default_factory=set)
+    """(local, remote) slices already checked against both layouts: checked once."""
 
 
 @dataclass(slots=True)
@@ -183,6 +188,7 @@ class NixlTransport:
             thread_affinity=ThreadAffinity.OWNER,
         )
         self._layout: BlockLayout | None = None
+        self._local_ids: DescriptorIds | None = None
         self._reg_descs: Any = None
         self._local_dlists: dict[BlockSlice, Any] = {}
         self._peers: dict[PeerId, _Peer] = {}
@@ -382,6 +388,7 @@ class NixlTransport:
                 f"NIXL refused the local descriptors: {_describe(exc)}"
             ) from exc
         self._layout = layout
+        self._local_ids = DescriptorIds(layout)
         self._metadata = None  # the agent metadata now carries the memory keys
 
     def read_blocks(
@@ -413,10 +420,10 @@ class NixlTransport:
             self._events.append(ReadCompleted(read_id=read_id))
             self._stats.reads_completed += 1
             return read_id
-        local, remote = self._layouts_for(state, local_slice, remote_slice)
+        local_index, remote_index = self._indices_for(state, local_slice, remote_slice)
         try:
-            local_ids = descriptor_ids(local_blocks, local.num_regions, local.num_blocks)
-            remote_ids = descriptor_ids(remote_blocks, remote.num_regions, remote.num_blocks)
+            local_ids = local_index.of(local_blocks)
+            remote_ids = remote_index.of(remote_blocks)
         except LocalProtocolError as exc:
             raise MemoryNotRegistered(str(exc)) from exc
         local_dlist = self._local_dlist(local_slice)
@@ -425,9 +432,9 @@ class NixlTransport:
             handle = self._agent.make_prepped_xfer(
                 "READ",
                 local_dlist,
-                np.asarray(local_ids, dtype=np.int32),
+                local_ids,
                 remote_dlist,
-                np.asarray(remote_ids, dtype=np.int32),
+                remote_ids,
                 notif_msg=b"" if notify is None else bytes(notify),
             )
         except self._api.disconnect_error as exc:
@@ -593,27 +600,23 @@ class NixlTransport:
                     self._stats.received_from_unknown += 1
                 self._events.append(Received(peer=peer, payload=bytes(message)))
 
-    def _layouts_for(
+    def _indices_for(
         self, state: _Peer, local_slice: BlockSlice, remote_slice: BlockSlice
-    ) -> tuple[BlockLayout, BlockLayout]:
+    ) -> tuple[DescriptorIds, DescriptorIds]:
+        """The two sides' descriptor indices, once the slices are known to pair."""
         local = self._layout
-        if local is None:
+        if local is None or self._local_ids is None:
             raise MemoryNotRegistered("no local memory registered")
         remote = state.layout
         if remote is None:
             raise MemoryNotRegistered(f"peer {state.name} advertised no registered memory")
-        if local.num_regions != remote.num_regions:
-            raise LayoutMismatch(f"{local.num_regions} local regions, {remote.num_regions} remote")
-        try:
-            for i, (llen, rlen) in enumerate(zip(local.block_lens, remote.block_lens, strict=True)):
-                if local_slice.span(llen)[1] != remote_slice.span(rlen)[1]:
-                    raise LayoutMismatch(
-                        f"region {i}: local slice of {llen} bytes/{local_slice.parts} "
-                        f"!= remote slice of {rlen} bytes/{remote_slice.parts}"
-                    )
-        except LocalProtocolError as exc:
-            raise LayoutMismatch(str(exc)) from exc
-        return local, remote
+        if (local_slice, remote_slice) not in state.paired:
+            # Both layouts are fixed for the life of this _Peer: check a slice pair once.
+            _check_pairing(local, remote, local_slice, remote_slice)
+            state.paired.add((local_slice, remote_slice))
+        if state.ids is None:
+            state.ids = DescriptorIds(remote)
+        return self._local_ids, state.ids
 
     def _local_dlist(self, block_slice: BlockSlice) -> Any:
         handle = self._local_dlists.get(block_slice)
@@ -655,6 +658,23 @@ class NixlTransport:
 
     def _invalidate(self, agent: str) -> None:
         _quiet(self._agent.remove_remote_agent, agent)
+
+
+def _check_pairing(
+    local: BlockLayout, remote: BlockLayout, local_slice: BlockSlice, remote_slice: BlockSlice
+) -> None:
+    """Raise LayoutMismatch unless each region's two slices have the same length."""
+    if local.num_regions != remote.num_regions:
+        raise LayoutMismatch(f"{local.num_regions} local regions, {remote.num_regions} remote")
+    try:
+        for i, (llen, rlen) in enumerate(zip(local.block_lens, remote.block_lens, strict=True)):
+            if local_slice.span(llen)[1] != remote_slice.span(rlen)[1]:
+                raise LayoutMismatch(
+                    f"region {i}: local slice of {llen} bytes/{local_slice.parts} "
+                    f"!= remote slice of {rlen} bytes/{remote_slice.parts}"
+                )
+    except LocalProtocolError as exc:
+        raise LayoutMismatch(str(exc)) from exc
 
 
 def _describe(exc: BaseException) -> str:
