@@ -29,6 +29,7 @@ from kvproto import auth, legacy, wire
 from kvproto.config import LeaseConfig
 from kvproto.errors import LocalProtocolError, RemoteProtocolError
 from kvproto.events import FreeBlocks, HolderOutput, ReleaseReason, SendFrame
+from kvproto.leaseset import LeaseSet
 from kvproto.ratelimit import ReplayWindow, TokenBucket
 from kvproto.states import LeaseInput, LeaseState, lease_next
 from kvproto.stats import HolderStats
@@ -45,12 +46,6 @@ _END_STATE_COUNTER = {
     ReleaseReason.MAX_HOLD: "max_hold",
     ReleaseReason.PEER_LOST: "peer_lost",
 }
-# Upper bounds of one list item's msgpack size, used to split frames without
-# re-encoding: a uint64 is at most 9 bytes, a float 9, a 16-byte bin 18.
-_ID_BYTES = 9
-_HELD_BYTES = 1 + _ID_BYTES + 9
-_FRAME_OVERHEAD = 64
-
 
 _NO_SESSIONS: frozenset[_Session] = frozenset()
 
@@ -100,9 +95,7 @@ class _Session:
     __slots__ = (
         "attempt",
         "bucket",
-        "count",
         "deadline",
-        "digest",
         "down",
         "engine",
         "expected",
@@ -140,9 +133,7 @@ class _Session:
         self.deadline = float("-inf")
         self.heap_due: float | None = None
         self.window = ReplayWindow()
-        self.leases: set[int] = set()
-        self.count = 0
-        self.digest = 0
+        self.leases: LeaseSet[None] = LeaseSet()
 
 
 class Holder:
@@ -208,18 +199,35 @@ class Holder:
         The deadline is taken relative to ``now`` on this clock, so holders in
         processes with unrelated clocks never free early (vLLM #50326).
         """
-        if ticket.holder_engine != self.engine or ticket.holder_incarnation != self.incarnation:
-            raise LocalProtocolError("ticket was minted for another holder engine or incarnation")
-        problem = ticket_problem(ticket)
+        problem = self.adoption_problem(ticket)
         if problem is not None:
-            raise LocalProtocolError(f"bad ticket: {problem}")
-        if ticket.lease in self._leases:
-            raise LocalProtocolError(f"lease {ticket.lease} already held")
+            raise LocalProtocolError(problem)
         self._hold(now, ticket)
 
-    def _hold(self, now: float, ticket: LeaseTicket) -> None:
+    def adoption_problem(self, ticket: LeaseTicket) -> str | None:
+        """Why :meth:`adopt` would refuse ``ticket``, or None if it would hold it.
+
+        A binding that adopts tickets from another process checks here first
+        instead of catching the refusal.
+        """
+        if ticket.holder_engine != self.engine or ticket.holder_incarnation != self.incarnation:
+            return "ticket was minted for another holder engine or incarnation"
+        problem = ticket_problem(ticket)
+        if problem is not None:
+            return f"bad ticket: {problem}"
+        if ticket.lease in self._leases:
+            return f"lease {ticket.lease} already held"
+        return self._request_problem(ticket)
+
+    def _request_problem(self, ticket: LeaseTicket) -> str | None:
         if ticket.request_id and ticket.request_id in self._by_request:
-            raise LocalProtocolError(f"request {ticket.request_id!r} already has a lease")
+            return f"request {ticket.request_id!r} already has a lease"
+        return None
+
+    def _hold(self, now: float, ticket: LeaseTicket) -> None:
+        problem = self._request_problem(ticket)
+        if problem is not None:
+            raise LocalProtocolError(problem)
         lease = _Lease(ticket, now, self.config.max_hold)
         self._leases[lease.lease] = lease
         if lease.request_id:
@@ -260,10 +268,8 @@ class Holder:
             if not session.bucket.take(now):
                 self.stats.rate_limited += 1
                 return
-            try:
-                msg = wire.decode(data)
-            except RemoteProtocolError:
-                self.stats.malformed += 1
+            msg = self._decode_counted(data)
+            if msg is None:
                 return
             if isinstance(msg, wire.Heartbeat):
                 self._on_heartbeat(now, session, msg)
@@ -278,10 +284,8 @@ class Holder:
         if not wire.is_kvproto_frame(data):
             self._handle_legacy(now, peer, data)
             return
-        try:
-            msg = wire.decode(data)
-        except RemoteProtocolError:
-            self.stats.malformed += 1
+        msg = self._decode_counted(data)
+        if msg is None:
             return
         if isinstance(msg, wire.Hello):
             secret = self.config.auth_secret
@@ -303,6 +307,14 @@ class Holder:
             self.stats.bad_mac += 1
             if isinstance(msg, wire.Heartbeat) and wire.signed(data):
                 self._send_plain(peer, wire.Reject(reason=RejectReason.NO_SESSION, seq=msg.seq))
+
+    def _decode_counted(self, data: bytes) -> wire.Message | None:
+        """The frame's message, or None with the frame counted as malformed."""
+        try:
+            return wire.decode(data)
+        except RemoteProtocolError:
+            self.stats.malformed += 1
+            return None
 
     def get_timer(self) -> float | None:
         """The next time :meth:`handle_timer` has work, or None."""
@@ -359,10 +371,26 @@ class Holder:
 
     def deadline(self, lease_id: int) -> float:
         """The time a live lease lapses unless renewed (max of own and session deadlines)."""
+        until = self.live_deadline(lease_id)
+        if until is None:
+            raise LocalProtocolError(f"lease {lease_id} is not live")
+        return until
+
+    def live_deadline(self, lease_id: int) -> float | None:
+        """:meth:`deadline` of a live lease; None if it ended, was forgotten or never existed.
+
+        For callers that cannot know whether a lease is still live (it may end
+        on any input): they ask here instead of catching :meth:`deadline`'s error.
+        """
         lease = self._leases.get(lease_id)
         if lease is None or lease.ended:
-            raise LocalProtocolError(f"lease {lease_id} is not live")
+            return None
         return min(self._live_until(lease), lease.hard_deadline)
+
+    def is_live(self, lease_id: int) -> bool:
+        """True while the lease's blocks are held (granted or held, not ended)."""
+        lease = self._leases.get(lease_id)
+        return lease is not None and not lease.ended
 
     def live_leases(self) -> int:
         """Leases whose blocks are still held."""
@@ -424,6 +452,13 @@ class Holder:
         )
         return lease if hmac.compare_digest(proof, anchor.proof) else None
 
+    def _reads_from_us(self, hello: wire.Hello) -> bool:
+        """The Hello's reader rank reads from this holder rank (its TP layout divides ours)."""
+        big, small = max(hello.tp_size, self.tp_size), min(hello.tp_size, self.tp_size)
+        if big % small:
+            return False  # layouts that do not divide never pair (wire.decode checked both >= 1)
+        return self.rank in target_remote_ranks(hello.rank, hello.tp_size, self.tp_size)
+
     def _on_hello(self, now: float, peer: PeerId, hello: wire.Hello) -> None:
         old = self._sessions.get(peer)
         same = (
@@ -450,7 +485,7 @@ class Holder:
             self.stats.replayed += 1  # an older Hello of this reader, replayed
             return
         refusal = auth.refusal_key(anchor.token, hello.nonce, self.config.auth_secret)
-        if self.rank not in _readers_of(hello.rank, hello.tp_size, self.tp_size):
+        if not self._reads_from_us(hello):
             # This rank never reads from us: its dones could count for ranks that do.
             self.stats.limit_refusals += 1
             self._send_keyed(peer, refusal, wire.Reject(reason=RejectReason.WRONG_RANK))
@@ -541,7 +576,8 @@ class Holder:
             self._abort(now, session, claim)
         if hb.full is not None:
             self._resync(session, hb.full, lost)
-        resync = hb.full is None and (session.count != hb.count or session.digest != hb.digest)
+        leases = session.leases
+        resync = hb.full is None and (leases.count != hb.count or leases.digest != hb.digest)
         if resync:
             self.stats.resyncs += 1
         self._send_acks(session=session, seq=hb.seq, now=now, held=held, lost=lost, resync=resync)
@@ -556,15 +592,17 @@ class Holder:
         lost: list[int],
         resync: bool,
     ) -> None:
-        room = max(1, (self.config.frame_budget - _FRAME_OVERHEAD) // _HELD_BYTES)
-        first = True
-        while first or held or lost:
-            first = False
-            part_held, held = held[:room], held[room:]
-            left = room - len(part_held)
-            part_lost, lost = lost[:left], lost[left:]
+        # held first, then lost, as one list cut to the frame budget.
+        room = wire.frame_room(self.config.frame_budget, wire.HELD_BYTES)
+        n_held = len(held)
+        for part in wire.frame_slices(n_held + len(lost), room):
+            start, stop = part.start - n_held, part.stop - n_held
             ack = wire.HeartbeatAck(
-                seq=seq, clock=now, held=part_held, lost=part_lost, resync=resync
+                seq=seq,
+                clock=now,
+                held=held[part],
+                lost=lost[max(0, start) : max(0, stop)],
+                resync=resync,
             )
             self._send_session(session, ack)
 
@@ -613,9 +651,10 @@ class Holder:
 
     def _resync(self, session: _Session, deltas: list[int], lost: list[int]) -> None:
         wanted = set(wire.delta_decode(deltas))
-        for lease_id in session.leases - wanted:
+        holding = set(session.leases)
+        for lease_id in holding - wanted:
             self._detach(self._leases[lease_id], session)
-        for lease_id in wanted - session.leases:
+        for lease_id in wanted - holding:
             lease = self._leases.get(lease_id)
             if (
                 lease is None
@@ -758,9 +797,7 @@ class Holder:
             lease.sessions.add(session)
         else:
             lease.sessions = {session}
-        session.leases.add(lease.lease)
-        session.count += 1
-        session.digest = (session.digest + wire.id_hash(lease.lease)) & wire.MAX_U64
+        session.leases.add(lease.lease, None)
         if session.heap_due is None and session.deadline != float("-inf"):
             self._schedule_session(session)
 
@@ -771,8 +808,6 @@ class Holder:
             if not lease.sessions:
                 lease.sessions = _NO_SESSIONS
         session.leases.discard(lease.lease)
-        session.count -= 1
-        session.digest = (session.digest - wire.id_hash(lease.lease)) & wire.MAX_U64
         if fall_back and not lease.ended:
             lease.own_deadline = max(lease.own_deadline, session.deadline)
             if not lease.sessions:
@@ -839,14 +874,6 @@ class Holder:
 
     def _send_plain(self, peer: PeerId, msg: wire.Message) -> None:
         self._out.append(SendFrame(peer=peer, payload=wire.encode(msg, self.config.auth_secret)))
-
-
-def _readers_of(reader_rank: int, reader_tp: int, holder_tp: int) -> list[int]:
-    """The holder ranks ``reader_rank`` reads from; empty if the TP sizes do not divide."""
-    try:
-        return target_remote_ranks(reader_rank, reader_tp, holder_tp)
-    except LocalProtocolError:
-        return []
 
 
 def ended(outputs: Iterable[HolderOutput]) -> list[FreeBlocks]:

@@ -24,6 +24,7 @@ Every decoder here is total: it returns a message or raises
 
 from __future__ import annotations
 
+import enum
 import functools
 import hashlib
 import hmac
@@ -175,7 +176,7 @@ class Reject(msgspec.Struct, frozen=True, array_like=True, tag=8):
 Message = Hello | Welcome | Heartbeat | HeartbeatAck | Done | DoneAck | Revoke | Reject
 
 
-class DoneVerdict:
+class DoneVerdict(enum.IntEnum):
     """Values of :attr:`DoneAck.verdict`."""
 
     HELD = 0
@@ -186,7 +187,7 @@ class DoneVerdict:
     """Unknown lease, bad proof or another owner: recompute."""
 
 
-class RejectReason:
+class RejectReason(enum.IntEnum):
     """Values of :attr:`Reject.reason`."""
 
     NO_SESSION = 1
@@ -197,6 +198,44 @@ class RejectReason:
     """Authentication failed (no longer sent: a frame that fails its MAC is not answered)."""
     WRONG_RANK = 4
     """The reader rank does not read from this holder rank (TP layouts), or they do not divide."""
+
+
+def _tag(cls: type[msgspec.Struct]) -> int:
+    tag = cls.__struct_config__.tag
+    assert isinstance(tag, int)
+    return tag
+
+
+TO_HOLDER_TAGS = frozenset(_tag(c) for c in (Hello, Heartbeat, Done))
+"""Tags of the messages a reader sends (a holder's input)."""
+TO_READER_TAGS = frozenset(_tag(c) for c in (Welcome, HeartbeatAck, DoneAck, Revoke, Reject))
+"""Tags of the messages a holder sends (a reader's input)."""
+_FIXARRAY = range(0x90, 0xA0)
+"""msgpack fixarray first bytes: every message body is a short array, its tag first."""
+
+# Upper bounds of one list item's msgpack size, used to split frames to a byte
+# budget without re-encoding: a uint64 is at most 9 bytes, a float 9, a 16-byte
+# bin 18, and a short array's header 1.
+ID_BYTES = 9
+"""One lease id (a uint64)."""
+CLAIM_BYTES = 1 + ID_BYTES + 2 + MAC_LEN
+"""One :class:`Claim`: array header, lease id, 16-byte proof."""
+HELD_BYTES = 1 + ID_BYTES + 9
+"""One ``HeartbeatAck.held`` item: array header, lease id, float."""
+FRAME_OVERHEAD = 64
+"""Everything in a frame but its lists: header, tag, scalar fields, MAC."""
+
+
+def frame_room(budget: int, item_bytes: int) -> int:
+    """How many list items of ``item_bytes`` fit in one frame of ``budget`` bytes (at least 1)."""
+    return max(1, (budget - FRAME_OVERHEAD) // item_bytes)
+
+
+def frame_slices(count: int, room: int) -> list[slice]:
+    """``count`` list items cut into frames of at most ``room``; one empty frame if none."""
+    if count == 0:
+        return [slice(0, 0)]
+    return [slice(start, start + room) for start in range(0, count, room)]
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -234,6 +273,18 @@ def encode(msg: Message, key: bytes | None = None) -> bytes:
     header = MAGIC + bytes((VERSION, FLAG_MAC if key is not None else 0))
     framed = header + _encoder.encode(msg)
     return framed + mac(key, framed) if key is not None else framed
+
+
+def peek_tag(data: bytes) -> int | None:
+    """The message tag of a native frame, read without decoding; None for anything else.
+
+    Routes a frame to the holder or the reader (:data:`TO_HOLDER_TAGS`,
+    :data:`TO_READER_TAGS`); it checks neither version nor MAC, so the
+    frame's own decoder still judges it.
+    """
+    if len(data) > HEADER_LEN + 1 and data[:2] == MAGIC and data[HEADER_LEN] in _FIXARRAY:
+        return data[HEADER_LEN + 1]
+    return None
 
 
 def is_kvproto_frame(data: bytes) -> bool:

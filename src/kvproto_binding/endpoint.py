@@ -59,16 +59,13 @@ from kvproto.transport import (
 
 log = logging.getLogger("kvproto.binding")
 
-_HOLDER_TAGS = frozenset({1, 3, 5})  # Hello, Heartbeat, Done
-_READER_TAGS = frozenset({2, 4, 6, 7, 8})  # Welcome, HeartbeatAck, DoneAck, Revoke, Reject
-_FIXARRAY = range(0x90, 0xA0)
+_HOLDER_TAGS = wire.TO_HOLDER_TAGS
+_READER_TAGS = wire.TO_READER_TAGS
 
 
 def frame_tag(data: bytes) -> int | None:
     """The message tag of a native frame, or None if it is not one (legacy text, junk)."""
-    if len(data) > wire.HEADER_LEN + 1 and wire.is_kvproto_frame(data) and data[4] in _FIXARRAY:
-        return data[5]
-    return None
+    return wire.peek_tag(data)
 
 
 @dataclass(slots=True)

@@ -221,3 +221,48 @@ def test_decode_is_total_on_mutated_frames(
     except RemoteProtocolError:
         return
     assert wire.decode(wire.encode(out)) == out
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
+def test_peek_tag_names_the_message_and_its_direction(msg: wire.Message) -> None:
+    tag = wire.peek_tag(wire.encode(msg, KEY))
+    assert tag == type(msg).__struct_config__.tag
+    to_holder = isinstance(msg, (wire.Hello, wire.Heartbeat, wire.Done))
+    assert (tag in wire.TO_HOLDER_TAGS) is to_holder
+    assert (tag in wire.TO_READER_TAGS) is not to_holder
+
+
+@given(st.binary(max_size=8))
+def test_peek_tag_is_none_for_text_and_junk(data: bytes) -> None:
+    if not (data[:2] == wire.MAGIC and len(data) > 5 and 0x90 <= data[4] <= 0x9F):
+        assert wire.peek_tag(data) is None
+    assert wire.peek_tag(b"HB:a,b") is None
+
+
+def test_frame_size_bounds_hold_for_the_largest_items() -> None:
+    big = wire.Claim(lease=wire.MAX_U64, proof=PROOF)
+    encoder = msgspec.msgpack.Encoder()
+    assert len(encoder.encode(big)) <= wire.CLAIM_BYTES
+    assert len(encoder.encode((wire.MAX_U64, -1e300))) <= wire.HELD_BYTES
+    assert len(encoder.encode(wire.MAX_U64)) <= wire.ID_BYTES
+
+
+@given(st.integers(0, 500), st.integers(1, 64))
+def test_frame_slices_cover_every_item_once_within_room(count: int, room: int) -> None:
+    parts = wire.frame_slices(count, room)
+    items = list(range(count))
+    assert [i for p in parts for i in items[p]] == items
+    assert all(len(items[p]) <= room for p in parts)
+    assert len(parts) == max(1, -(-count // room))
+
+
+def test_frame_room_is_at_least_one() -> None:
+    assert wire.frame_room(0, wire.CLAIM_BYTES) == 1
+    assert wire.frame_room(wire.FRAME_OVERHEAD + 10 * wire.CLAIM_BYTES, wire.CLAIM_BYTES) == 10
+
+
+def test_verdicts_and_reasons_are_int_enums_with_their_wire_values() -> None:
+    assert [int(v) for v in wire.DoneVerdict] == [0, 1, 2]
+    assert [int(r) for r in wire.RejectReason] == [1, 2, 3, 4]
+    ack = wire.encode(wire.DoneAck(lease=1, verdict=wire.DoneVerdict.LATE))
+    assert ack == wire.encode(wire.DoneAck(lease=1, verdict=1))

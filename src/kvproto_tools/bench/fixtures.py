@@ -213,9 +213,6 @@ class WireReader:
     against a real Reader.
     """
 
-    _CLAIM_BYTES = 1 + 9 + 18
-    _FRAME_OVERHEAD = 64
-
     def __init__(self, config: LeaseConfig, engine: str = "D", incarnation: int = 2) -> None:
         self.config = config
         self.engine = engine
@@ -276,7 +273,7 @@ class WireReader:
 
     def claims(self, tickets: list[LeaseTicket]) -> list[bytes]:
         """One tick's heartbeats claiming every ticket, split to the frame budget."""
-        room = max(1, (self.config.frame_budget - self._FRAME_OVERHEAD) // self._CLAIM_BYTES)
+        room = wire.frame_room(self.config.frame_budget, wire.CLAIM_BYTES)
         frames = []
         for start in range(0, len(tickets), room):
             part = [

@@ -221,7 +221,7 @@ def _mac(fx: HolderFixture, plan: Plan) -> list[Figure]:
     ack = wire.encode(wire.HeartbeatAck(seq=1, clock=fx.now, held=[], lost=[]), key)
     t = fx.tickets[0]
     proof = claim_proof(t.token, "D", t.lease)
-    room = max(1, (fx.holder.config.frame_budget - 64) // (1 + 9 + 18))
+    room = wire.frame_room(fx.holder.config.frame_budget, wire.CLAIM_BYTES)
     claims = [wire.Claim(lease=x.lease, proof=proof) for x in fx.tickets[:room]]
     claim_frame = wire.encode(
         wire.Heartbeat(seq=1, claims=claims, aborts=[], count=len(claims), digest=0), key
