@@ -56,9 +56,10 @@ from kvproto.transport import (
     UnknownPeer,
 )
 
+from ..read_args import check_block_counts, check_notify, check_regions, region_spans
 from ._binding import NixlApi, load_nixl
 from .descriptor_ids import DescriptorIds
-from .errors import LayoutMismatch, RegistrationError, WrongThread
+from .errors import RegistrationError, WrongThread
 from .wire import (
     WIRE_KIND,
     WIRE_VERSION,
@@ -403,15 +404,11 @@ class NixlTransport:
     ) -> ReadId:
         """One READ of ``remote_blocks`` of every region into ``local_blocks``; see the protocol."""
         self._check()
-        if notify is not None and self._max is not None and len(notify) > self._max:
-            raise FrameTooLarge(f"notify of {len(notify)} bytes > {self._max}")
+        check_notify(notify, self._max)
         state = self._peer(peer)
         if state.lost is not None:
             raise PeerUnreachable(f"peer {peer} is lost: {state.lost}")
-        if len(local_blocks) != len(remote_blocks):
-            raise LayoutMismatch(
-                f"{len(local_blocks)} local blocks for {len(remote_blocks)} remote blocks"
-            )
+        check_block_counts(local_blocks, remote_blocks)
         if not local_blocks:
             # Full prefix hit: nothing to move, only tell the holder (spec/vllm-api.md §9.3).
             if notify is not None:
@@ -612,7 +609,9 @@ class NixlTransport:
             raise MemoryNotRegistered(f"peer {state.name} advertised no registered memory")
         if (local_slice, remote_slice) not in state.paired:
             # Both layouts are fixed for the life of this _Peer: check a slice pair once.
-            _check_pairing(local, remote, local_slice, remote_slice)
+            check_regions(local, remote)
+            for region in range(local.num_regions):
+                region_spans(local, remote, region, local_slice, remote_slice)
             state.paired.add((local_slice, remote_slice))
         if state.ids is None:
             state.ids = DescriptorIds(remote)
@@ -658,23 +657,6 @@ class NixlTransport:
 
     def _invalidate(self, agent: str) -> None:
         _quiet(self._agent.remove_remote_agent, agent)
-
-
-def _check_pairing(
-    local: BlockLayout, remote: BlockLayout, local_slice: BlockSlice, remote_slice: BlockSlice
-) -> None:
-    """Raise LayoutMismatch unless each region's two slices have the same length."""
-    if local.num_regions != remote.num_regions:
-        raise LayoutMismatch(f"{local.num_regions} local regions, {remote.num_regions} remote")
-    try:
-        for i, (llen, rlen) in enumerate(zip(local.block_lens, remote.block_lens, strict=True)):
-            if local_slice.span(llen)[1] != remote_slice.span(rlen)[1]:
-                raise LayoutMismatch(
-                    f"region {i}: local slice of {llen} bytes/{local_slice.parts} "
-                    f"!= remote slice of {rlen} bytes/{remote_slice.parts}"
-                )
-    except LocalProtocolError as exc:
-        raise LayoutMismatch(str(exc)) from exc
 
 
 def _describe(exc: BaseException) -> str:

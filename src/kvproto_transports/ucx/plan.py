@@ -16,11 +16,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvproto.errors import LocalProtocolError
 from kvproto.tpmath import BlockLayout, BlockSlice
 from kvproto.transport import MemoryNotRegistered
 
-from .errors import LayoutMismatch
+from ..read_args import check_block_counts, check_regions, region_spans
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -47,12 +46,8 @@ def plan_read(
     remote_slice: BlockSlice = BlockSlice.FULL,
 ) -> list[Segment]:
     """Segments of the read, merged; raises LayoutMismatch or MemoryNotRegistered."""
-    if len(local_blocks) != len(remote_blocks):
-        raise LayoutMismatch(
-            f"{len(local_blocks)} local blocks for {len(remote_blocks)} remote blocks"
-        )
-    if local.num_regions != remote.num_regions:
-        raise LayoutMismatch(f"{local.num_regions} local regions, {remote.num_regions} remote")
+    check_block_counts(local_blocks, remote_blocks)
+    check_regions(local, remote)
     # tpmath.descriptor_ids' range rule (0 <= block < num_blocks), without
     # building the id lists: UCX works on addresses, not descriptor ids.
     for side, blocks, layout in (("local", local_blocks, local), ("remote", remote_blocks, remote)):
@@ -62,17 +57,8 @@ def plan_read(
             )
     out: list[Segment] = []
     for region in range(local.num_regions):
+        loff, roff, length = region_spans(local, remote, region, local_slice, remote_slice)
         llen, rlen = local.block_lens[region], remote.block_lens[region]
-        try:
-            loff, length = local_slice.span(llen)
-            roff, rlength = remote_slice.span(rlen)
-        except LocalProtocolError as exc:
-            raise LayoutMismatch(str(exc)) from exc
-        if length != rlength:
-            raise LayoutMismatch(
-                f"region {region}: local slice of {llen} bytes/{local_slice.parts} "
-                f"!= remote slice of {rlen} bytes/{remote_slice.parts}"
-            )
         lbase, rbase = local.region_addrs[region] + loff, remote.region_addrs[region] + roff
         run_l = run_r = run_n = -1
         for lb, rb in zip(local_blocks, remote_blocks, strict=True):

@@ -44,6 +44,7 @@ from kvproto.transport import (
     UnknownPeer,
 )
 
+from ..read_args import check_notify
 from .engine import DEFAULT_UCX_OPTIONS, Engine, EngineConfig
 from .errors import Backpressure, RegistrationError
 from .plan import plan_read
@@ -348,8 +349,7 @@ class UcxTransport:
         note = None if notify is None else bytes(notify)
         with self._lock:
             self._check()
-            if note is not None and self._max is not None and len(note) > self._max:
-                raise FrameTooLarge(f"notify of {len(note)} bytes > {self._max}")
+            check_notify(note, self._max)
             state = self._peers.get(peer)
             if state is None:
                 raise UnknownPeer(f"unknown peer {peer!r}")
