@@ -1,8 +1,8 @@
 """Lease nodes (the NIXL and UCX transports under the real binding) in a namespace's process.
 
-:class:`NsNodeProcess` is :class:`~kvproto_transports.nixl.node.NodeProcess`
+:class:`NsNodeProcess` is :class:`~tests.transports.nixl.node.NodeProcess`
 with its child started inside a namespace; :class:`UcxLeaseNode` is the NIXL
-tests' :class:`~kvproto_transports.nixl.lease_node.LeaseNode` with
+tests' :class:`~tests.transports.nixl.lease_node.LeaseNode` with
 :class:`~kvproto_transports.ucx.UcxTransport` endpoints instead of NIXL agents
 (the same commands: ``create``, ``make_kv``, ``lease_holder``, ``grant``...).
 """
@@ -12,8 +12,9 @@ from __future__ import annotations
 import multiprocessing
 from typing import Any
 
-from kvproto_transports.nixl.lease_node import LeaseNode
-from kvproto_transports.nixl.node import NodeProcess, serve
+from kvproto_transports.testing import serve
+from tests.transports.nixl.lease_node import LeaseNode
+from tests.transports.nixl.node import NodeProcess
 
 from .netns import spawn_in
 

@@ -9,7 +9,7 @@ import pytest
 from kvproto_transports.nixl import nixl_available
 
 AVAILABLE, WHY = nixl_available()
-LEASE_NODE = "kvproto_transports.nixl.lease_node:LeaseNode"
+LEASE_NODE = "tests.transports.nixl.lease_node:LeaseNode"
 """Node class of the child processes: NixlTransport commands plus the lease binding."""
 
 
@@ -18,7 +18,7 @@ def nodes() -> Iterator[tuple[object, object]]:
     """A holder node and a reader node, started together."""
     if not AVAILABLE:
         pytest.skip(f"NIXL: {WHY}")
-    from kvproto_transports.nixl.node import NodeProcess
+    from tests.transports.nixl.node import NodeProcess
 
     holder, reader = (
         NodeProcess("holder", node_cls=LEASE_NODE),

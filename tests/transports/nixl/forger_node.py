@@ -13,8 +13,8 @@ import time
 from typing import Any
 
 from kvproto_transports.nixl._binding import load_nixl
-from kvproto_transports.nixl.lease_node import LeaseNode
 from kvproto_transports.nixl.wire import decode_metadata
+from tests.transports.nixl.lease_node import LeaseNode
 
 
 class ForgerNode(LeaseNode):

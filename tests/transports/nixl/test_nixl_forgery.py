@@ -55,7 +55,7 @@ def _forged_frames(ticket: LeaseTicket) -> list[bytes]:
 
 
 def test_a_third_agent_with_the_decoders_name_changes_nothing(nodes: Any) -> None:
-    from kvproto_transports.nixl.node import NodeProcess
+    from tests.transports.nixl.node import NodeProcess
 
     holder, reader = nodes
     cfg = LeaseConfig(**CONFIG)

@@ -18,12 +18,12 @@ import pytest
 
 from kvproto.config import LeaseConfig
 from kvproto_transports.nixl import nixl_available
-from kvproto_transports.nixl.node import NodeProcess
+from tests.transports.nixl.node import NodeProcess
 
 AVAILABLE, WHY = nixl_available()
 pytestmark = [pytest.mark.nixl, pytest.mark.skipif(not AVAILABLE, reason=f"NIXL: {WHY}")]
 
-LEASE_NODE = "kvproto_transports.nixl.lease_node:LeaseNode"
+LEASE_NODE = "tests.transports.nixl.lease_node:LeaseNode"
 DURATION = 6.0  # the shortest valid lease: heartbeat interval 1 s, extension 4 s
 CONFIG: dict[str, Any] = {"kv_lease_duration": DURATION, "read_margin": 2.0}
 PROBE_S = 0.2

@@ -10,7 +10,7 @@ import pytest
 
 from kvproto.transport import PeerLost, ReadCompleted, ReadFailed, Received
 from kvproto_transports.nixl import nixl_available
-from kvproto_transports.nixl.node import NodeError, NodeProcess
+from tests.transports.nixl.node import NodeError, NodeProcess
 
 AVAILABLE, WHY = nixl_available()
 pytestmark = [pytest.mark.nixl, pytest.mark.skipif(not AVAILABLE, reason=f"NIXL: {WHY}")]

@@ -13,7 +13,7 @@ from kvproto.tpmath import expected_consumers, read_slices, target_remote_ranks
 from kvproto.transport import ReadCompleted, Received
 from kvproto_binding.sidechannel import fetch_metadata
 from kvproto_transports.nixl import NixlTransport, nixl_available
-from kvproto_transports.nixl.node import NodeProcess
+from tests.transports.nixl.node import NodeProcess
 
 AVAILABLE, WHY = nixl_available()
 pytestmark = [pytest.mark.nixl, pytest.mark.skipif(not AVAILABLE, reason=f"NIXL: {WHY}")]

@@ -13,7 +13,7 @@ class Pair:
     """A holder and a reader, each a UcxTransport in its own child process."""
 
     def __init__(self, *, link: bool = True, memory: bool = True, **kwargs: object) -> None:
-        from kvproto_transports.ucx.node import UcxNode
+        from tests.transports.ucx.node import UcxNode
 
         self.holder = UcxNode("ucx-holder")
         self.reader = UcxNode("ucx-reader")

@@ -8,7 +8,7 @@ import pytest
 
 from kvproto.transport import PeerLost, ReadCompleted, ReadFailed
 from kvproto_transports.ucx import FAILURE_DETECTION_BOUND_S, ucx_available, unavailable_reason
-from kvproto_transports.ucx.node import block_pattern
+from tests.transports.ucx.node import block_pattern
 
 if TYPE_CHECKING:
     from collections.abc import Callable

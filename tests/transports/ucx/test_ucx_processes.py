@@ -12,7 +12,7 @@ from kvproto import wire
 from kvproto.errors import RemoteProtocolError
 from kvproto.transport import ReadCompleted, Received
 from kvproto_transports.ucx import DEFAULT_MAX_NOTIFICATION_SIZE, ucx_available, unavailable_reason
-from kvproto_transports.ucx.node import NodeError, UcxNode, block_pattern
+from tests.transports.ucx.node import NodeError, UcxNode, block_pattern
 
 if TYPE_CHECKING:
     from conftest import Pair

@@ -8,7 +8,7 @@ import pytest
 
 from kvproto.transport import ReadCompleted
 from kvproto_transports.ucx import ucx_available, unavailable_reason
-from kvproto_transports.ucx.node import block_pattern
+from tests.transports.ucx.node import block_pattern
 
 if TYPE_CHECKING:
     from collections.abc import Callable

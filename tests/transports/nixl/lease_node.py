@@ -5,7 +5,7 @@ stepped with ``time.monotonic()`` every tick of the node loop. A holder engine
 gets its own side-channel server and adds every reader that introduces itself;
 a reader engine answers the core's ``Connect`` with a non-blocking
 :class:`~kvproto_binding.sidechannel.HandshakeClient`. Used by the NIXL
-end-to-end lease tests (``NodeProcess(node_cls="kvproto_transports.nixl.lease_node:LeaseNode")``).
+end-to-end lease tests (``NodeProcess(node_cls="tests.transports.nixl.lease_node:LeaseNode")``).
 """
 
 from __future__ import annotations
@@ -23,14 +23,13 @@ from kvproto_binding.sidechannel import (
     HandshakeSucceeded,
     SideChannelServer,
 )
-
-from .node import Node
+from tests.transports.nixl.node import Node
 
 COMPAT = b"kvproto-lease-e2e"
 
 
 class LeaseNode(Node):
-    """:class:`~.node.Node` plus lease holders and readers driven by the binding."""
+    """:class:`~tests.transports.nixl.node.Node` plus lease cores driven by the binding."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -99,7 +98,7 @@ class LeaseNode(Node):
         )
 
     def ready_to_read(self, key: str, request_id: str) -> bool:
-        self._pump()
+        self.pump()
         reader = self.endpoints[key].reader
         assert reader is not None
         return reader.ready_to_read(request_id)
@@ -114,7 +113,7 @@ class LeaseNode(Node):
 
     def lease_log(self, key: str) -> dict[str, Any]:
         """What the engine saw: freed leases (holder), confirmed and failed requests (reader)."""
-        self._pump()
+        self.pump()
         ep = self.endpoints[key]
         out: dict[str, Any] = {
             "freed": list(self.freed.get(key, [])),
@@ -126,8 +125,8 @@ class LeaseNode(Node):
             out["live_leases"] = ep.holder.live_leases()
         return out
 
-    def _pump(self) -> None:
-        super()._pump()
+    def pump(self) -> None:
+        super().pump()
         now = time.monotonic()
         for key, server in self.servers.items():
             for intro in server.poll_introductions():

@@ -1,41 +1,23 @@
-"""UcxTransport endpoints hosted in child processes, driven over a pipe.
+"""UcxTransport endpoints hosted in child processes, for the UCX tests.
 
-Peer failure can only be tested across processes (``kill -9`` of a peer), so
-the tests and :mod:`.bench` run each endpoint in a child (``spawn``, never
-``fork`` with UCX threads around). The child executes one command at a time
-and, between commands, polls its transport and keeps the events with the
-monotonic time they were seen (``CLOCK_MONOTONIC`` is shared by processes on
-one host, so a parent can time a detection). KV memory is numpy arrays (no
-torch needed).
-
-Commands are ``(name, kwargs)`` answered with ``(True, value)`` or
-``(False, (exception class name, message))``; :class:`UcxNode` turns them
-into method calls with timeouts.
+The child loop and the parent handle are :mod:`kvproto_transports.testing`'s;
+this module is the command set (:class:`UcxChild`: one endpoint, numpy KV
+memory, echo and scribble duties) and :class:`UcxNode`, the handle that runs
+it. The child keeps each event with the monotonic time it was seen
+(``CLOCK_MONOTONIC`` is shared by processes on one host, so a parent can time
+a detection).
 """
 
 from __future__ import annotations
 
-import multiprocessing
-import os
-import signal
 import time
-from collections.abc import Callable
-from multiprocessing.connection import Connection
 from typing import Any
 
 from kvproto.tpmath import BlockLayout, BlockSlice
 from kvproto.transport import PeerId, PeerLost, Received, TransportEvent
+from kvproto_transports.testing import ChildProcess, NodeError, take_matching
 
-_TICK_S = 0.001
-
-
-class NodeError(Exception):
-    """A command failed in the child; ``kind`` names the child's exception class."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(f"{kind}: {message}")
-        self.kind = kind
-        """Class name of the exception raised in the child."""
+__all__ = ["NodeError", "UcxChild", "UcxNode", "block_pattern"]
 
 
 def block_pattern(seed: int, region: int, block: int, length: int) -> bytes:
@@ -44,11 +26,13 @@ def block_pattern(seed: int, region: int, block: int, length: int) -> bytes:
     return bytes((start + i * 13) % 256 for i in range(length))
 
 
-class _Child:
+class UcxChild:
     """Lives in the child; one method per command."""
 
+    tick_s = 0.001
+
     def __init__(self) -> None:
-        from .transport import UcxTransport
+        from kvproto_transports.ucx import UcxTransport
 
         self._cls = UcxTransport
         self.t: Any = None
@@ -163,16 +147,15 @@ class _Child:
         got: list[tuple[float, TransportEvent]] = []
         while True:
             self.pump()
-            keep = []
-            for item in self.events:
-                if len(got) < count and (not kinds or type(item[1]).__name__ in kinds):
-                    got.append(item)
-                else:
-                    keep.append(item)
-            self.events = keep
+            more, self.events = take_matching(
+                self.events,
+                count - len(got),
+                lambda item: not kinds or type(item[1]).__name__ in kinds,
+            )
+            got += more
             if len(got) >= count or time.monotonic() >= deadline:
                 return got
-            time.sleep(_TICK_S)
+            time.sleep(self.tick_s)
 
     def pump(self) -> None:
         if self.t is None:
@@ -203,7 +186,7 @@ class _Child:
                     return at
             if time.monotonic() >= deadline:
                 return None
-            time.sleep(_TICK_S)
+            time.sleep(self.tick_s)
 
     # -- side channel ---------------------------------------------------------------
 
@@ -222,7 +205,7 @@ class _Child:
             intros = self.server.poll_introductions()
             if intros or time.monotonic() >= deadline:
                 return [str(self.t.add_peer(i.metadata)) for i in intros]
-            time.sleep(_TICK_S)
+            time.sleep(self.tick_s)
 
     def handshake(self, *, port: int, compat_hash: bytes) -> PeerId:
         """Fetch rank 0's metadata over the side channel (introducing ourselves); add it."""
@@ -252,78 +235,10 @@ class _Child:
             self.t.close()
 
 
-def serve(conn: Connection) -> None:
-    """Child main loop: commands from ``conn``, polling the transport in between."""
-    child = _Child()
-    conn.send((True, os.getpid()))
-    while True:
-        if not conn.poll(_TICK_S):
-            child.pump()
-            continue
-        try:
-            name, kwargs = conn.recv()
-        except EOFError:
-            child.shutdown()
-            return
-        if name == "exit":
-            child.shutdown()
-            conn.send((True, None))
-            return
-        try:
-            fn: Callable[..., Any] = getattr(child, name)
-            conn.send((True, fn(**kwargs)))
-        except Exception as exc:
-            conn.send((False, (type(exc).__name__, str(exc))))
+class UcxNode(ChildProcess):
+    """Parent-side handle of a child process running one UcxTransport (:class:`UcxChild`)."""
 
-
-class UcxNode:
-    """Parent-side handle of a child process running one UcxTransport."""
+    call_timeout_s = 30.0
 
     def __init__(self, name: str = "ucx-node") -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=serve, args=(child,), name=name, daemon=True)
-        self.process.start()
-        child.close()
-        self.pid: int | None = None
-
-    def wait_started(self, timeout_s: float = 60.0) -> int:
-        """Block until the child is ready; returns its pid."""
-        if not self._conn.poll(timeout_s):
-            raise TimeoutError("child process did not start")
-        _ok, pid = self._conn.recv()
-        self.pid = int(pid)
-        return self.pid
-
-    def call(self, name: str, *, call_timeout_s: float = 30.0, **kwargs: Any) -> Any:
-        """Run a command in the child and return its value (raises :class:`NodeError`)."""
-        self._conn.send((name, kwargs))
-        if not self._conn.poll(call_timeout_s):
-            raise TimeoutError(f"command {name!r} took over {call_timeout_s} s")
-        ok, value = self._conn.recv()
-        if not ok:
-            raise NodeError(*value)
-        return value
-
-    def kill(self) -> float:
-        """``kill -9`` the child; returns the monotonic time just before the signal."""
-        at = time.monotonic()
-        if self.process.pid is not None:
-            os.kill(self.process.pid, signal.SIGKILL)
-        self.process.join(5)
-        return at
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Ask the child to close its transport and exit; kill it if it does not."""
-        if self.process.is_alive():
-            try:
-                self._conn.send(("exit", {}))
-                if self._conn.poll(timeout_s):
-                    self._conn.recv()
-            except (OSError, EOFError):
-                pass
-            self.process.join(timeout_s)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(5)
-        self._conn.close()
+        super().__init__("tests.transports.ucx.node:UcxChild", name=name)

@@ -1,43 +1,30 @@
-"""NixlTransport endpoints hosted in a child process, driven over a pipe.
+"""NixlTransport endpoints hosted in a child process, for the NIXL tests.
 
-Peer-failure behaviour can only be tested across processes (``kill -9`` of a
-peer), and NIXL calls must stay on one thread, so each child runs a single
-loop: it executes one command at a time from the parent and, between
-commands, the background duties it was given (heartbeats, probes). Used by
-the NIXL tests, the overhead benchmark and available to the conformance kit.
-
-Commands are ``(name, kwargs)`` tuples answered with ``(True, value)`` or
-``(False, exception)``; :class:`NodeProcess` turns them into method calls.
+The child loop and the parent handle are :mod:`kvproto_transports.testing`'s;
+this module is the command set: :class:`Node` (endpoints, torch KV tensors,
+heartbeats, loss detection, the side channel) and :class:`NodeProcess`, a
+:class:`~kvproto_transports.testing.ChildProcess` that runs it (or a
+subclass named by ``node_cls``) with torch preloaded.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
-import multiprocessing
-import os
-import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from typing import Any
 
 from kvproto.tpmath import BlockLayout, BlockSlice
 from kvproto.transport import PeerId, PeerLost, PeerUnreachable, TransportEvent
+from kvproto_transports.nixl import NixlTransport
+from kvproto_transports.tensor_layout import layout_from_tensors
+from kvproto_transports.testing import DEFAULT_TICK_S, ChildProcess, NodeError, take_matching
 
-from .transport import NixlTransport
+NODE = "tests.transports.nixl.node:Node"
+"""The plain command set, as ``node_cls``."""
 
-_TICK_S = 0.002
-
-
-class NodeError(Exception):
-    """A command failed in the child; ``kind`` names the child's exception type."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(f"{kind}: {message}")
-        self.kind = kind
-        """Class name of the exception raised in the child."""
+__all__ = ["NODE", "Node", "NodeError", "NodeProcess"]
 
 
 @dataclass(slots=True)
@@ -52,6 +39,8 @@ class _Heartbeat:
 class Node:
     """Lives in the child; one method per command."""
 
+    tick_s = DEFAULT_TICK_S
+
     def __init__(self) -> None:
         self.transports: dict[str, NixlTransport] = {}
         self.tensors: dict[str, list[Any]] = {}
@@ -62,7 +51,7 @@ class Node:
         self.lost_at: dict[tuple[str, PeerId], float] = {}
         """When each endpoint's poll first reported PeerLost for a peer (monotonic)."""
         self.bound: set[str] = set()
-        """Endpoints polled by someone else (a lease binding), not by :meth:`_pump`."""
+        """Endpoints polled by someone else (a lease binding), not by :meth:`pump`."""
 
     # -- endpoints ----------------------------------------------------------
 
@@ -88,8 +77,6 @@ class Node:
         offset by ``fill`` (so each holder rank's bytes differ).
         """
         import torch
-
-        from ..tensor_layout import layout_from_tensors
 
         dt = getattr(torch, dtype)
         tensors = []
@@ -148,7 +135,7 @@ class Node:
     # -- events ---------------------------------------------------------------
 
     def poll(self, key: str) -> list[TransportEvent]:
-        self._pump()
+        self.pump()
         out = self.events[key]
         self.events[key] = []
         return out
@@ -160,17 +147,16 @@ class Node:
         deadline = time.monotonic() + timeout_s
         got: list[TransportEvent] = []
         while True:
-            self._pump()
-            keep: list[TransportEvent] = []
-            for ev in self.events[key]:
-                if len(got) < count and (not kinds or type(ev).__name__ in kinds):
-                    got.append(ev)
-                else:
-                    keep.append(ev)
-            self.events[key] = keep
+            self.pump()
+            more, self.events[key] = take_matching(
+                self.events[key],
+                count - len(got),
+                lambda ev: not kinds or type(ev).__name__ in kinds,
+            )
+            got += more
             if len(got) >= count or time.monotonic() >= deadline:
                 return got
-            time.sleep(_TICK_S)
+            time.sleep(self.tick_s)
 
     def heartbeat(self, key: str, peer: PeerId, payload: bytes, interval_s: float) -> None:
         """Send ``payload`` to ``peer`` every ``interval_s`` between commands."""
@@ -206,7 +192,7 @@ class Node:
                     sends[i] = sends.get(i, 0) + 1
                 except PeerUnreachable:
                     failed_at.setdefault(i, before)
-            self._pump()  # the idle loop may have seen a loss before this command began
+            self.pump()  # the idle loop may have seen a loss before this command began
             for i, (key, peer, _) in enumerate(watch):
                 at = self.lost_at.get((key, peer))
                 if at is not None and i not in found:
@@ -273,7 +259,8 @@ class Node:
 
     # -- loop -------------------------------------------------------------------
 
-    def _pump(self) -> None:
+    def pump(self) -> None:
+        """Send due heartbeats and poll every endpoint not polled by a binding."""
         now = time.monotonic()
         for hb in self.heartbeats:
             if now >= hb.next_at:
@@ -291,114 +278,22 @@ class Node:
                 self.lost_at.setdefault((key, ev.peer), now)
         self.events[key].extend(events)
 
-
-def serve(conn: Connection, preload: tuple[str, ...] = (), node_cls: str = "") -> None:
-    """Child main loop: commands from ``conn``, background duties in between.
-
-    ``preload`` names modules to import before reporting ready (torch takes
-    seconds; children started together then import it in parallel).
-    ``node_cls`` (``module:Class``) replaces the command set with a subclass.
-    """
-    for module in preload:
-        importlib.import_module(module)
-    node = Node()
-    if node_cls:
-        module, _, cls = node_cls.partition(":")
-        node = getattr(importlib.import_module(module), cls)()
-    conn.send((True, os.getpid()))
-    while True:
-        if not conn.poll(_TICK_S):
-            # Tick like a binding would: without NIXL's progress thread a holder
-            # serves READs and receives notifications only while it polls.
-            node._pump()
-            continue
-        try:
-            name, kwargs = conn.recv()
-        except EOFError:
-            return
-        if name == "exit":
-            for t in node.transports.values():
-                t.close()
-            if node.server is not None:
-                node.server.close()
-            conn.send((True, None))
-            return
-        try:
-            fn: Callable[..., Any] = getattr(node, name)
-            conn.send((True, fn(**kwargs)))
-        except Exception as exc:
-            conn.send((False, (type(exc).__name__, str(exc))))
+    def shutdown(self) -> None:
+        """Close every endpoint and the side-channel server."""
+        for t in self.transports.values():
+            t.close()
+        if self.server is not None:
+            self.server.close()
 
 
-class NodeProcess:
-    """Parent-side handle of a child process running :func:`serve`."""
+class NodeProcess(ChildProcess):
+    """A child running :class:`Node` (or ``node_cls``), torch preloaded."""
 
     def __init__(
-        self, name: str = "node", *, preload: tuple[str, ...] = ("torch",), node_cls: str = ""
+        self, name: str = "node", *, preload: tuple[str, ...] = ("torch",), node_cls: str = NODE
     ) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(
-            target=serve, args=(child, preload, node_cls), name=name, daemon=True
-        )
-        self.process.start()
-        child.close()
-        self._pending = False
-        self._started = False
+        super().__init__(node_cls, name=name, preload=preload)
 
-    def wait_started(self, timeout_s: float = 60.0) -> int:
-        """Block until the child is ready; returns its pid."""
-        if not self._conn.poll(timeout_s):
-            raise TimeoutError("child process did not start")
-        _ok, pid = self._conn.recv()
-        self._started = True
-        return int(pid)
-
-    def call(self, name: str, timeout_s: float = 60.0, **kwargs: Any) -> Any:
-        """Run a command and return its value (raises :class:`NodeError`)."""
-        self.submit(name, **kwargs)
-        return self.result(timeout_s)
-
-    def submit(self, name: str, **kwargs: Any) -> None:
-        """Start a command without waiting (then call :meth:`result`)."""
-        if not self._started:
-            self.wait_started()
-        assert not self._pending, "one command at a time"
-        self._conn.send((name, kwargs))
-        self._pending = True
-
-    def ready(self) -> bool:
-        """The command started by :meth:`submit` has answered."""
-        return self._conn.poll(0)
-
-    def result(self, timeout_s: float = 60.0) -> Any:
-        """The value of the command started by :meth:`submit`."""
-        if not self._conn.poll(timeout_s):
-            raise TimeoutError("child did not answer")
-        ok, value = self._conn.recv()
-        self._pending = False
-        if not ok:
-            raise NodeError(*value)
-        return value
-
-    def kill(self) -> None:
-        """``kill -9`` the child."""
-        if self.process.pid is not None and self.process.is_alive():
-            os.kill(self.process.pid, signal.SIGKILL)
-        self.process.join(10)
-
-    def close(self) -> None:
-        """Ask the child to close its endpoints and exit; kill it if it does not."""
-        if self.process.is_alive():
-            try:
-                if self._pending:
-                    self.result(10)
-                self._conn.send(("exit", {}))
-                if self._conn.poll(10):
-                    self._conn.recv()
-            except (OSError, EOFError, TimeoutError, NodeError):
-                pass
-            self.process.join(10)
-        if self.process.is_alive():
-            self.kill()
-        self._conn.close()
+    def call(self, command: str, /, timeout_s: float = 60.0, **kwargs: Any) -> Any:
+        """Run a command; ``timeout_s`` bounds the wait (a command's own is another kwarg)."""
+        return super().call(command, call_timeout_s=timeout_s, **kwargs)
