@@ -22,6 +22,11 @@ _TABLES: tuple[tuple[str, str, Table], ...] = (
         states.LEASE_TRANSITIONS,
     ),
     (
+        "Peer session (holder side)",
+        "One per transport peer that sent a Hello, in `Holder` (no entry while ABSENT).",
+        states.PEER_SESSION_TRANSITIONS,
+    ),
+    (
         "Read (reader side)",
         "One per request and holder rank, in `Reader`.",
         states.READ_TRANSITIONS,
@@ -63,6 +68,21 @@ def _matrix(table: Table) -> list[str]:
     return lines
 
 
+def _verdicts(verdicts: Table) -> list[str]:
+    inputs = [i for i in states.LeaseInput if any(event is i for _, event in verdicts)]
+    lines = [
+        "| state \\ input | " + " | ".join(f"`{i.value}`" for i in inputs) + " |",
+        "|---|" + "---|" * len(inputs),
+    ]
+    for state in states.LeaseState:
+        cells = []
+        for event in inputs:
+            verdict = verdicts.get((state, event))
+            cells.append("error" if verdict is None else verdict.name)
+        lines.append(f"| **{state.name}** | " + " | ".join(cells) + " |")
+    return lines
+
+
 def render() -> str:
     """The whole spec/state-tables.md text."""
     out = [
@@ -77,6 +97,15 @@ def render() -> str:
     ]
     for title, where, table in _TABLES:
         out += [f"## {title}", "", where, "", *_matrix(table), "", *_mermaid(table), ""]
+        if table is states.LEASE_TRANSITIONS:
+            out += [
+                "### Done verdicts (holder side)",
+                "",
+                "The DoneAck a done input earns, by the lease's state when it arrives.",
+                "",
+                *_verdicts(states.DONE_VERDICTS),
+                "",
+            ]
     return "\n".join(out)
 
 

@@ -31,7 +31,15 @@ from kvproto.errors import LocalProtocolError, RemoteProtocolError
 from kvproto.events import FreeBlocks, HolderOutput, ReleaseReason, SendFrame
 from kvproto.leaseset import LeaseSet
 from kvproto.ratelimit import ReplayWindow, TokenBucket
-from kvproto.states import LeaseInput, LeaseState, lease_next
+from kvproto.states import (
+    LeaseInput,
+    LeaseState,
+    PeerSessionInput,
+    PeerSessionState,
+    done_verdict,
+    lease_next,
+    peer_session_next,
+)
 from kvproto.stats import HolderStats
 from kvproto.ticket import LeaseMint, LeaseTicket, claim_proof, ticket_problem
 from kvproto.tpmath import expected_consumers, target_remote_ranks
@@ -47,15 +55,11 @@ _END_STATE_COUNTER = {
     ReleaseReason.PEER_LOST: "peer_lost",
 }
 
-_NO_SESSIONS: frozenset[_Session] = frozenset()
-
 
 class _Lease:
     __slots__ = (
         "consumers",
-        "ended",
         "expected",
-        "granted_at",
         "hard_deadline",
         "heap_due",
         "lease",
@@ -75,8 +79,6 @@ class _Lease:
         self.request_id = ticket.request_id
         self.token = ticket.token
         self.state = LeaseState.GRANTED
-        self.ended = False
-        self.granted_at = now
         self.own_deadline = now + ticket.expires_in
         self.hard_deadline = now + max_hold
         self.heap_due: float | None = None
@@ -84,11 +86,26 @@ class _Lease:
         self.proof = b""
         self.expected = 0
         self.reader_tp = 0  # the first claimer's TP size: whose ranks' dones count
-        # Both stay empty for most leases' lives; a shared empty placeholder saves
-        # ~280 B per lease (a fresh set and dict each) at 100k live leases.
+        # None for most leases' lives (a fresh dict costs ~200 B per lease).
         self.consumers: dict[int, int] | None = None
         self.legacy_done = 0
-        self.sessions: set[_Session] | frozenset[_Session] = _NO_SESSIONS
+        # The sessions renewing the lease: almost always none or one, kept as the
+        # session itself (a set of one costs ~220 B and a GC-tracked object per lease).
+        self.sessions: _Session | set[_Session] | None = None
+
+    @property
+    def ended(self) -> bool:
+        """The blocks were freed (derived from the state, never stored twice)."""
+        return self.state.terminal
+
+    def holders(self) -> tuple[_Session, ...]:
+        """The sessions renewing the lease (a copy: detaching while iterating is fine)."""
+        held = self.sessions
+        if held is None:
+            return ()
+        if isinstance(held, _Session):
+            return (held,)
+        return tuple(held)
 
 
 class _Session:
@@ -248,6 +265,8 @@ class Holder:
     def peer_lost(self, now: float, peer: PeerId) -> None:
         """The transport says ``peer`` is gone: end the leases only its session held."""
         session = self._sessions.pop(peer, None)
+        state = PeerSessionState.ABSENT if session is None else PeerSessionState.OPEN
+        peer_session_next(state, PeerSessionInput.LOST)
         if session is not None:
             self._forget_session(now, session, lost=True)
         self._buckets.pop(peer, None)
@@ -459,29 +478,41 @@ class Holder:
             return False  # layouts that do not divide never pair (wire.decode checked both >= 1)
         return self.rank in target_remote_ranks(hello.rank, hello.tp_size, self.tp_size)
 
+    @staticmethod
+    def _hello_input(old: _Session | None, hello: wire.Hello) -> PeerSessionInput:
+        """What ``hello`` is to the peer's session ``old`` (the session table's input)."""
+        if old is None:
+            return PeerSessionInput.FIRST
+        if old.incarnation != hello.incarnation:
+            return PeerSessionInput.RESTARTED
+        if (old.engine, old.rank, old.tp_size) != (hello.engine, hello.rank, hello.tp_size):
+            return PeerSessionInput.IMPOSTOR
+        if old.hello_nonce == hello.nonce:
+            return PeerSessionInput.DUPLICATE
+        if 0 < hello.attempt - old.attempt <= wire.MAX_HELLO_AHEAD:
+            return PeerSessionInput.REKEY
+        return PeerSessionInput.REPLAYED
+
     def _on_hello(self, now: float, peer: PeerId, hello: wire.Hello) -> None:
         old = self._sessions.get(peer)
-        same = (
-            old is not None
-            and old.incarnation == hello.incarnation
-            and (old.engine, old.rank, old.tp_size) == (hello.engine, hello.rank, hello.tp_size)
-        )
-        if old is not None and old.incarnation == hello.incarnation and not same:
+        event = self._hello_input(old, hello)
+        state = PeerSessionState.ABSENT if old is None else PeerSessionState.OPEN
+        after = peer_session_next(state, event)  # every input the classification makes has a row
+        if event is PeerSessionInput.IMPOSTOR:
             self.stats.bad_hello += 1  # another reader under this incarnation's name
             return
+        same = event in (
+            PeerSessionInput.DUPLICATE,
+            PeerSessionInput.REKEY,
+            PeerSessionInput.REPLAYED,
+        )
         anchor = self._anchor(hello, old if same else None)
         if anchor is None:
             # No proof of any ticket: nothing is opened, re-keyed or ended, and
             # nothing is answered (an answer could not be authenticated).
             self.stats.bad_hello += 1
             return
-        duplicate = same and old is not None and old.hello_nonce == hello.nonce
-        if (
-            same
-            and old is not None
-            and not duplicate
-            and not 0 < hello.attempt - old.attempt <= wire.MAX_HELLO_AHEAD
-        ):
+        if event is PeerSessionInput.REPLAYED:
             self.stats.replayed += 1  # an older Hello of this reader, replayed
             return
         refusal = auth.refusal_key(anchor.token, hello.nonce, self.config.auth_secret)
@@ -490,11 +521,13 @@ class Holder:
             self.stats.limit_refusals += 1
             self._send_keyed(peer, refusal, wire.Reject(reason=RejectReason.WRONG_RANK))
             return
-        if old is not None and not same:
+        if old is not None and event is PeerSessionInput.RESTARTED:
             # The same transport name with a new incarnation: the old reader died.
             del self._sessions[peer]
             self._forget_session(now, old, lost=True)
             old = None
+            event = PeerSessionInput.FIRST
+            peer_session_next(after, event)
         expected = expected_consumers(self.tp_size, hello.tp_size)
         if old is None and (
             len(self._sessions) >= self.config.max_sessions and not self._evict_idle_session()
@@ -502,7 +535,7 @@ class Holder:
             self.stats.limit_refusals += 1
             self._send_keyed(peer, refusal, wire.Reject(reason=RejectReason.TOO_MANY))
             return
-        if duplicate and old is not None and old.server_nonce:
+        if event is PeerSessionInput.DUPLICATE and old is not None and old.server_nonce:
             # The same Hello again (the transport duplicated it): answer it the same
             # way. A fresh server nonce would re-key the session behind the reader's
             # back, and every later frame of the reader would fail its MAC.
@@ -672,43 +705,10 @@ class Holder:
         # A done proves the claim as a heartbeat claim does: if it arrives first (the
         # heartbeat carrying the claim was lost or delayed), _check_claim has just
         # recorded this session as the first claimer of the live lease, and the done
-        # counts as claim + done. reader_tp is unset only when the lease ended before
-        # anyone claimed it: such a done is late (below), not of another TP layout.
-        if lease is None:
-            verdict = DoneVerdict.REFUSED
-        elif lease.reader_tp and lease.reader_tp != session.tp_size:
-            # A rank of another TP layout than the lease's consumers: it is not in
-            # the expected set, so it never counts (and its read is not vouched for).
-            self.stats.bad_rank_done += 1
-            verdict = DoneVerdict.REFUSED
-        elif (
-            lease.consumers is not None
-            and lease.consumers.get(session.rank) == session.serial
-            and (lease.state is LeaseState.RELEASED or not lease.ended)
-        ):
-            # A duplicate from the very session already counted: same answer as before.
-            # Keyed by session, not by rank: if someone else's done for this rank came
-            # first (a replayed Hello without auth_secret), the real reader's done after
-            # the free is answered LATE, so its read is fenced instead of trusted.
-            self.stats.duplicate_done += 1
-            verdict = DoneVerdict.HELD
-        elif lease.ended:
-            self.stats.late_done += 1
-            lease_next(lease.state, LeaseInput.DONE)
-            verdict = DoneVerdict.LATE
-        else:
-            if lease.consumers is None:
-                lease.consumers = {}
-            lease.consumers.setdefault(session.rank, session.serial)
-            if len(lease.consumers) >= lease.expected:
-                self._end(now, lease, LeaseInput.LAST_DONE, ReleaseReason.DONE)
-            else:
-                self._transition(lease, LeaseInput.DONE)
-                if lease.lease in session.leases:
-                    self._detach(lease, session)
-            verdict = DoneVerdict.HELD
+        # counts as claim + done.
+        verdict = DoneVerdict.REFUSED if lease is None else self._apply_done(now, session, lease)
         proof = b""
-        if lease is not None and verdict == DoneVerdict.HELD:
+        if lease is not None and verdict is DoneVerdict.HELD:
             proof = auth.verdict_proof(
                 lease.token,
                 lease=lease.lease,
@@ -717,6 +717,54 @@ class Holder:
                 reader_rank=session.rank,
             )
         self._send_session(session, wire.DoneAck(lease=claim.lease, verdict=verdict, proof=proof))
+
+    @staticmethod
+    def _done_input(session: _Session, lease: _Lease) -> LeaseInput:
+        """What a proven done is to its lease; the tables decide what it does."""
+        if lease.reader_tp and lease.reader_tp != session.tp_size:
+            # reader_tp is unset only when the lease ended before anyone claimed it:
+            # such a done is late, not of another TP layout.
+            return LeaseInput.FOREIGN_DONE
+        consumers = lease.consumers
+        if consumers is not None and consumers.get(session.rank) == session.serial:
+            # Keyed by session, not by rank: if someone else's done for this rank came
+            # first (a replayed Hello without auth_secret), the real reader's done after
+            # the free is answered LATE, so its read is fenced instead of trusted.
+            return LeaseInput.DUPLICATE_DONE
+        if lease.ended:
+            return LeaseInput.DONE
+        counted = 0 if consumers is None else len(consumers)
+        if consumers is None or session.rank not in consumers:
+            counted += 1
+        return LeaseInput.LAST_DONE if counted >= lease.expected else LeaseInput.DONE
+
+    def _apply_done(self, now: float, session: _Session, lease: _Lease) -> DoneVerdict:
+        event = self._done_input(session, lease)
+        verdict = done_verdict(lease.state, event)
+        if event is LeaseInput.FOREIGN_DONE:
+            self.stats.bad_rank_done += 1  # not in the expected set: its read is not vouched for
+        elif verdict is DoneVerdict.LATE:
+            self.stats.late_done += 1
+        elif event is LeaseInput.DUPLICATE_DONE:
+            self.stats.duplicate_done += 1  # the same answer as before
+        elif event is LeaseInput.LAST_DONE:
+            self._count_consumer(session, lease)
+            self._end(now, lease, event, ReleaseReason.DONE)
+            return verdict
+        else:
+            self._count_consumer(session, lease)
+            self._transition(lease, event)
+            if lease.lease in session.leases:
+                self._detach(lease, session)
+            return verdict
+        self._transition(lease, event)  # a "stay" row
+        return verdict
+
+    @staticmethod
+    def _count_consumer(session: _Session, lease: _Lease) -> None:
+        if lease.consumers is None:
+            lease.consumers = {}
+        lease.consumers.setdefault(session.rank, session.serial)
 
     def _handle_legacy(self, now: float, peer: PeerId, data: bytes) -> None:
         if not self.config.accept_legacy:
@@ -774,11 +822,10 @@ class Holder:
             if new is LeaseState.HELD:
                 self._held += 1
             lease.state = new
-            lease.ended = new.terminal
 
     def _end(self, now: float, lease: _Lease, event: LeaseInput, reason: ReleaseReason) -> None:
         self._transition(lease, event)
-        for session in list(lease.sessions):
+        for session in lease.holders():
             self._detach(lease, session, fall_back=False)
         counter = _END_STATE_COUNTER[reason]
         setattr(self.stats, counter, getattr(self.stats, counter) + 1)
@@ -793,31 +840,38 @@ class Holder:
             del self._by_request[lease.request_id]
 
     def _attach(self, lease: _Lease, session: _Session) -> None:
-        if isinstance(lease.sessions, set):
-            lease.sessions.add(session)
+        held = lease.sessions
+        if held is None:
+            lease.sessions = session
+        elif isinstance(held, _Session):
+            if held is not session:
+                lease.sessions = {held, session}
         else:
-            lease.sessions = {session}
+            held.add(session)
         session.leases.add(lease.lease, None)
         if session.heap_due is None and session.deadline != float("-inf"):
             self._schedule_session(session)
 
     def _detach(self, lease: _Lease, session: _Session, *, fall_back: bool = True) -> None:
         """Take ``lease`` out of ``session``; it keeps what the session had given it."""
-        if isinstance(lease.sessions, set):
-            lease.sessions.discard(session)
-            if not lease.sessions:
-                lease.sessions = _NO_SESSIONS
+        held = lease.sessions
+        if held is session:
+            lease.sessions = None
+        elif isinstance(held, set):
+            held.discard(session)
+            if len(held) == 1:
+                (lease.sessions,) = held
         session.leases.discard(lease.lease)
         if fall_back and not lease.ended:
             lease.own_deadline = max(lease.own_deadline, session.deadline)
-            if not lease.sessions:
+            if lease.sessions is None:
                 self._schedule_lease(lease)
 
     def _forget_session(self, now: float, session: _Session, *, lost: bool) -> None:
         self._by_serial.pop(session.serial, None)
         for lease_id in list(session.leases):
             lease = self._leases[lease_id]
-            if lost and lease.sessions == {session}:
+            if lost and lease.sessions is session:
                 self._end(now, lease, LeaseInput.PEER_LOST, ReleaseReason.PEER_LOST)
             else:
                 # Another session (another reader rank) still holds it: the lease keeps
@@ -834,13 +888,20 @@ class Holder:
 
     def _live_until(self, lease: _Lease) -> float:
         until = lease.own_deadline
-        for session in lease.sessions:
+        held = lease.sessions
+        if held is None:
+            return until
+        if isinstance(held, _Session):
+            return max(until, held.deadline)
+        for session in held:
             until = max(until, session.deadline)
         return until
 
     def _schedule_lease(self, lease: _Lease) -> None:
         due = (
-            lease.hard_deadline if lease.sessions else min(lease.own_deadline, lease.hard_deadline)
+            lease.hard_deadline
+            if lease.sessions is not None
+            else min(lease.own_deadline, lease.hard_deadline)
         )
         if lease.heap_due is not None and lease.heap_due <= due:
             return  # the earlier canonical entry will fire and re-schedule
@@ -863,7 +924,7 @@ class Holder:
         return bucket
 
     def _send_revoke(self, lease: _Lease, reason: ReleaseReason) -> None:
-        for session in lease.sessions:
+        for session in lease.holders():
             self._send_session(session, wire.Revoke(leases=[lease.lease], reason=int(reason)))
 
     def _send_session(self, session: _Session, msg: wire.Message) -> None:

@@ -54,6 +54,7 @@ from __future__ import annotations
 import enum
 
 from kvproto.errors import LocalProtocolError
+from kvproto.wire import DoneVerdict
 
 
 class LeaseState(enum.Enum):
@@ -72,15 +73,18 @@ class LeaseState(enum.Enum):
     REVOKED = "revoked"
     """Revoked locally, or every reader peer was lost (terminal)."""
 
+    # Identity hash, in C: Enum's own hashes the member's name in Python, and
+    # every lease transition looks up a (state, input) pair (the claim hot path).
+    __hash__ = object.__hash__
+
     @property
     def terminal(self) -> bool:
         """The blocks were freed; nothing revives the lease."""
-        return self in _TERMINAL
+        return self is not LeaseState.GRANTED and self is not LeaseState.HELD
 
 
-_TERMINAL = frozenset(
-    {LeaseState.RELEASED, LeaseState.EXPIRED, LeaseState.ABORTED, LeaseState.REVOKED}
-)
+_LIVE = (LeaseState.GRANTED, LeaseState.HELD)
+_TERMINAL = (LeaseState.RELEASED, LeaseState.EXPIRED, LeaseState.ABORTED, LeaseState.REVOKED)
 
 
 class LeaseInput(enum.Enum):
@@ -89,9 +93,15 @@ class LeaseInput(enum.Enum):
     CLAIM = "claim"
     """A reader proved the token (heartbeat claim, or a done that claims)."""
     DONE = "done"
-    """A consumer reported its read done, and more are expected."""
+    """A consumer reported its read done, and more are expected (on an ended lease:
+    any first done of a consumer, answered LATE)."""
     LAST_DONE = "last-done"
     """The last expected consumer reported its read done."""
+    DUPLICATE_DONE = "duplicate-done"
+    """A done again from the very session already counted for its rank."""
+    FOREIGN_DONE = "foreign-done"
+    """A done from a rank of another TP layout than the lease's first claimer's:
+    not an expected consumer, so it never counts."""
     ABORT = "abort"
     """The owner reader aborted the request."""
     DEADLINE = "deadline"
@@ -101,33 +111,63 @@ class LeaseInput(enum.Enum):
     PEER_LOST = "peer-lost"
     """The transport lost the last reader peer holding the lease."""
 
+    __hash__ = object.__hash__  # identity hash in C (see LeaseState)
 
-_LIVE_ROWS: dict[LeaseInput, LeaseState] = {
-    LeaseInput.CLAIM: LeaseState.HELD,
-    LeaseInput.DONE: LeaseState.HELD,
-    LeaseInput.LAST_DONE: LeaseState.RELEASED,
-    LeaseInput.ABORT: LeaseState.ABORTED,
-    LeaseInput.DEADLINE: LeaseState.EXPIRED,
-    LeaseInput.REVOKE: LeaseState.REVOKED,
-    LeaseInput.PEER_LOST: LeaseState.REVOKED,
-}
 
+_L = LeaseState
+_LI = LeaseInput
 # Remote inputs after the end are expected (late or duplicated frames): the
 # lease stays ended and the sender is told. Local inputs (DEADLINE, REVOKE,
 # PEER_LOST) on an ended lease are absent on purpose: the holder never
 # produces them, so reaching one is a bug.
-_LATE_ROWS: dict[LeaseInput, None] = {
-    LeaseInput.CLAIM: None,
-    LeaseInput.DONE: None,
-    LeaseInput.LAST_DONE: None,
-    LeaseInput.ABORT: None,
-}
+_LATE_INPUTS = (
+    _LI.CLAIM,
+    _LI.DONE,
+    _LI.LAST_DONE,
+    _LI.DUPLICATE_DONE,
+    _LI.FOREIGN_DONE,
+    _LI.ABORT,
+)
 
 LEASE_TRANSITIONS: dict[tuple[LeaseState, LeaseInput], LeaseState] = {
-    **{(LeaseState.GRANTED, i): s for i, s in _LIVE_ROWS.items()},
-    **{(LeaseState.HELD, i): s for i, s in _LIVE_ROWS.items()},
-    **{(t, i): t for t in _TERMINAL for i in _LATE_ROWS},
+    (_L.GRANTED, _LI.CLAIM): _L.HELD,
+    (_L.GRANTED, _LI.DONE): _L.HELD,  # a done claims too
+    (_L.GRANTED, _LI.LAST_DONE): _L.RELEASED,
+    # Only a counted done makes a duplicate, and counting one moves a lease out of
+    # GRANTED: (GRANTED, DUPLICATE_DONE) is absent on purpose.
+    (_L.GRANTED, _LI.FOREIGN_DONE): _L.GRANTED,
+    (_L.GRANTED, _LI.ABORT): _L.ABORTED,
+    (_L.GRANTED, _LI.DEADLINE): _L.EXPIRED,
+    (_L.GRANTED, _LI.REVOKE): _L.REVOKED,
+    (_L.GRANTED, _LI.PEER_LOST): _L.REVOKED,
+    (_L.HELD, _LI.CLAIM): _L.HELD,
+    (_L.HELD, _LI.DONE): _L.HELD,
+    (_L.HELD, _LI.LAST_DONE): _L.RELEASED,
+    (_L.HELD, _LI.DUPLICATE_DONE): _L.HELD,
+    (_L.HELD, _LI.FOREIGN_DONE): _L.HELD,
+    (_L.HELD, _LI.ABORT): _L.ABORTED,
+    (_L.HELD, _LI.DEADLINE): _L.EXPIRED,
+    (_L.HELD, _LI.REVOKE): _L.REVOKED,
+    (_L.HELD, _LI.PEER_LOST): _L.REVOKED,
+    **{(t, i): t for t in _TERMINAL for i in _LATE_INPUTS},
 }
+
+DONE_VERDICTS: dict[tuple[LeaseState, LeaseInput], DoneVerdict] = {
+    **{(live, _LI.DONE): DoneVerdict.HELD for live in _LIVE},
+    **{(live, _LI.LAST_DONE): DoneVerdict.HELD for live in _LIVE},
+    **{(live, _LI.FOREIGN_DONE): DoneVerdict.REFUSED for live in _LIVE},
+    (_L.HELD, _LI.DUPLICATE_DONE): DoneVerdict.HELD,
+    **{(t, _LI.DONE): DoneVerdict.LATE for t in _TERMINAL},
+    **{(t, _LI.LAST_DONE): DoneVerdict.LATE for t in _TERMINAL},
+    **{(t, _LI.FOREIGN_DONE): DoneVerdict.REFUSED for t in _TERMINAL},
+    # The same answer as before to the session already counted once the blocks were
+    # freed because every consumer was done; after any other end it was not vouched
+    # for (the lease may have ended mid-read): LATE.
+    (_L.RELEASED, _LI.DUPLICATE_DONE): DoneVerdict.HELD,
+    **{(t, _LI.DUPLICATE_DONE): DoneVerdict.LATE for t in _TERMINAL if t is not _L.RELEASED},
+}
+"""The holder's answer to a done, for each done input a lease can take (the
+DoneAck verdict); the state it moves to is in :data:`LEASE_TRANSITIONS`."""
 
 
 def lease_next(state: LeaseState, event: LeaseInput) -> LeaseState:
@@ -137,6 +177,73 @@ def lease_next(state: LeaseState, event: LeaseInput) -> LeaseState:
     except KeyError:
         raise LocalProtocolError(
             f"lease in state {state.value} cannot take {event.value}"
+        ) from None
+
+
+def done_verdict(state: LeaseState, event: LeaseInput) -> DoneVerdict:
+    """The verdict a done input earns in ``state``; a missing pair is a LocalProtocolError."""
+    try:
+        return DONE_VERDICTS[(state, event)]
+    except KeyError:
+        raise LocalProtocolError(
+            f"lease in state {state.value} has no verdict for {event.value}"
+        ) from None
+
+
+class PeerSessionState(enum.Enum):
+    """Holder-side state of the session a transport peer may have with it."""
+
+    ABSENT = "absent"
+    """No session for this peer (never opened, lost, evicted, or refused)."""
+    OPEN = "open"
+    """Keyed; its heartbeats renew the leases it holds."""
+
+
+class PeerSessionInput(enum.Enum):
+    """What can happen to a holder's session with one peer (Hellos, classified, and loss)."""
+
+    FIRST = "first"
+    """A Hello with a valid anchor from a peer with no session: open one."""
+    DUPLICATE = "duplicate"
+    """The same Hello again (same nonce): answered as before, same server nonce."""
+    REKEY = "rekey"
+    """A newer Hello of the same reader (attempt ahead): new keys, same leases."""
+    REPLAYED = "replayed"
+    """An older Hello of the same reader: ignored, counted."""
+    IMPOSTOR = "impostor"
+    """The session's incarnation under another engine, rank or TP size: ignored, counted."""
+    RESTARTED = "restarted"
+    """A new reader incarnation under the same peer name: the old reader died, its
+    session is lost (its leases end), and the Hello is then a FIRST."""
+    LOST = "lost"
+    """The transport lost the peer, or the holder evicted the idle session."""
+
+
+_P = PeerSessionState
+_H = PeerSessionInput
+PEER_SESSION_TRANSITIONS: dict[tuple[PeerSessionState, PeerSessionInput], PeerSessionState] = {
+    (_P.ABSENT, _H.FIRST): _P.OPEN,
+    (_P.ABSENT, _H.LOST): _P.ABSENT,
+    (_P.OPEN, _H.DUPLICATE): _P.OPEN,
+    (_P.OPEN, _H.REKEY): _P.OPEN,
+    (_P.OPEN, _H.REPLAYED): _P.OPEN,
+    (_P.OPEN, _H.IMPOSTOR): _P.OPEN,
+    (_P.OPEN, _H.RESTARTED): _P.ABSENT,
+    (_P.OPEN, _H.LOST): _P.ABSENT,
+}
+"""A Hello is classified against the peer's session before its anchor is
+checked; a refused Hello (no valid anchor, a rank that does not read from this
+holder, the session limit) moves nothing. Only an absent session can take a
+FIRST Hello, so RESTARTED ends the old one and the Hello is then a FIRST."""
+
+
+def peer_session_next(state: PeerSessionState, event: PeerSessionInput) -> PeerSessionState:
+    """Look the transition up; a missing pair is a LocalProtocolError."""
+    try:
+        return PEER_SESSION_TRANSITIONS[(state, event)]
+    except KeyError:
+        raise LocalProtocolError(
+            f"peer session in state {state.value} cannot take {event.value}"
         ) from None
 
 
@@ -215,14 +322,25 @@ READ_TRANSITIONS: dict[tuple[ReadState, ReadInput], ReadState] = {
     (_R.CONFIRMED, _I.FINISH): _R.CONFIRMED,
     (_R.CONFIRMED, _I.FAIL): _R.FAILED,
     (_R.FAILED, _I.CLAIM_ACKED): _R.FAILED,
+    (_R.FAILED, _I.READ_DONE): _R.FAILED,
     (_R.FAILED, _I.ACK_HELD): _R.FAILED,
     (_R.FAILED, _I.FAIL): _R.FAILED,
     (_R.FAILED, _I.FINISH): _R.FAILED,
+    (_R.FINISHED, _I.CLAIM_ACKED): _R.FINISHED,
+    (_R.FINISHED, _I.READ_DONE): _R.FINISHED,
+    (_R.FINISHED, _I.ACK_HELD): _R.FINISHED,
+    (_R.FINISHED, _I.FAIL): _R.FINISHED,
+    (_R.FINISHED, _I.FINISH): _R.FINISHED,
 }
 """A HELD verdict can overtake the local read-complete report (the done rides
 the transfer, the verdict a notification), hence ``(READING, ACK_HELD)``: it
-is remembered and applied at READ_DONE. DEFERRED has no DEFER row: a request is
-deferred at most once."""
+is remembered and applied at READ_DONE. A read can fail (lost, revoked, no
+ack) while its transfer is still in flight, hence ``(FAILED, READ_DONE)``: the
+late completion changes nothing. The terminal states take every input but the
+local decisions (DEFER, BEGIN_READ) and stay: a request that failed or finished
+is not read. DEFERRED has no DEFER row: a request is deferred at most once.
+Pairs still absent (a DEFER or BEGIN_READ after the read began or ended, a
+READ_DONE before any read) are calls the reader never makes."""
 
 
 def read_next(state: ReadState, event: ReadInput) -> ReadState:
@@ -284,8 +402,14 @@ SESSION_TRANSITIONS: dict[tuple[SessionState, SessionInput], SessionState] = {
     (_S.OPEN, _SI.REJECTED): _S.HELLO_SENT,
     (_S.OPEN, _SI.LOST): _S.BROKEN,
     (_S.BROKEN, _SI.NEED): _S.CONNECTING,
+    (_S.BROKEN, _SI.CONNECTED): _S.BROKEN,
     (_S.BROKEN, _SI.LOST): _S.BROKEN,
 }
+"""``(BROKEN, CONNECTED)``: the binding's connect finished after the session
+broke (peer lost, refused); the reader counts it and stays broken -- the next
+request asks for a fresh connection. WELCOME and REJECTED reach the table only
+in HELLO_SENT and OPEN (other frames are dropped before it); CONNECTED for a
+session never asked for (IDLE) is the binding's bug."""
 
 
 def session_next(state: SessionState, event: SessionInput) -> SessionState:

@@ -9,24 +9,32 @@ from hypothesis import strategies as st
 
 from kvproto.errors import LocalProtocolError
 from kvproto.states import (
+    DONE_VERDICTS,
     LEASE_TRANSITIONS,
+    PEER_SESSION_TRANSITIONS,
     READ_TRANSITIONS,
     SESSION_TRANSITIONS,
     LeaseInput,
     LeaseState,
+    PeerSessionInput,
+    PeerSessionState,
     ReadInput,
     ReadState,
     SessionInput,
     SessionState,
+    done_verdict,
     lease_next,
+    peer_session_next,
     read_next,
     session_next,
 )
+from kvproto.wire import DoneVerdict
 
 TABLES = [
     (LeaseState, LeaseInput, LEASE_TRANSITIONS, lease_next),
     (ReadState, ReadInput, READ_TRANSITIONS, read_next),
     (SessionState, SessionInput, SESSION_TRANSITIONS, session_next),
+    (PeerSessionState, PeerSessionInput, PEER_SESSION_TRANSITIONS, peer_session_next),
 ]
 
 
@@ -131,3 +139,45 @@ def test_every_session_can_be_lost_and_reopened() -> None:
         assert session_next(s, SessionInput.LOST) is SessionState.BROKEN
     assert session_next(SessionState.BROKEN, SessionInput.NEED) is SessionState.CONNECTING
     assert session_next(SessionState.OPEN, SessionInput.REJECTED) is SessionState.HELLO_SENT
+
+
+DONE_INPUTS = (
+    LeaseInput.DONE,
+    LeaseInput.LAST_DONE,
+    LeaseInput.DUPLICATE_DONE,
+    LeaseInput.FOREIGN_DONE,
+)
+
+
+def test_every_done_row_has_a_verdict_and_every_verdict_a_row() -> None:
+    done_rows = {(s, i) for (s, i) in LEASE_TRANSITIONS if i in DONE_INPUTS}
+    assert set(DONE_VERDICTS) == done_rows
+    for state in LeaseState:
+        for event in LeaseInput:
+            if (state, event) in DONE_VERDICTS:
+                assert done_verdict(state, event) is DONE_VERDICTS[(state, event)]
+            else:
+                with pytest.raises(LocalProtocolError):
+                    done_verdict(state, event)
+
+
+def test_held_is_only_vouched_for_by_a_live_lease_or_the_release_it_caused() -> None:
+    for (state, event), verdict in DONE_VERDICTS.items():
+        if verdict is DoneVerdict.HELD:
+            assert not state.terminal or (
+                state is LeaseState.RELEASED and event is LeaseInput.DUPLICATE_DONE
+            ), (state, event)
+        if event is LeaseInput.FOREIGN_DONE:
+            assert verdict is DoneVerdict.REFUSED
+            assert LEASE_TRANSITIONS[(state, event)] is state  # never counts
+
+
+def test_a_peer_session_opens_only_from_absent_and_every_one_can_be_lost() -> None:
+    into_open = [k for k, v in PEER_SESSION_TRANSITIONS.items() if v is PeerSessionState.OPEN]
+    assert [s for s, _ in into_open if s is PeerSessionState.ABSENT] == [PeerSessionState.ABSENT]
+    for state in PeerSessionState:
+        assert peer_session_next(state, PeerSessionInput.LOST) is PeerSessionState.ABSENT
+    assert (
+        peer_session_next(PeerSessionState.OPEN, PeerSessionInput.RESTARTED)
+        is PeerSessionState.ABSENT
+    )
