@@ -10,7 +10,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 Op = Callable[[], object]
@@ -50,6 +50,14 @@ def paired_ns(
         a_samples.append(_batch_ns(ours, batch))
         b_samples.append(_batch_ns(anchor, b_anchor))
     return statistics.median(a_samples), statistics.median(b_samples)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank quantile ``q`` (0..1) of ``values``; NaN for none."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return float(ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))])
 
 
 @contextmanager

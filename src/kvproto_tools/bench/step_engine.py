@@ -1,0 +1,219 @@
+"""One real vLLM engine in a child process, stepped like vLLM's busy loop, each step timed.
+
+Why a child per engine: vLLM keeps the worker-side connector in a module global
+and freezes its env vars once an engine starts, so P and D cannot share a
+process. The engine runs in-process in the child (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
+so its scheduler, worker and both connector halves share the child's
+:data:`~.step_timing.TOTALS`.
+
+Between commands the child keeps stepping, as ``EngineCore.run_busy_loop``
+does while it has requests, with a short pause so two engines share two
+cores. A *background* request (a local decode, no KV transfer) always runs,
+replaced as soon as it finishes, so the engine steps at every size, with a
+forward pass, like an engine under load. On D (``park=True``: priority
+scheduling and ``max_num_seqs=1``) it also keeps the remote-prefill requests
+queued behind it: tracked by the connector, never scheduled.
+
+Every step is one sample: connector nanoseconds on the scheduler side and on
+the worker side (read from the timed connector, :mod:`.step_timing`) and the
+whole ``LLMEngine.step()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import multiprocessing as mp
+import os
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+PAUSE_S = 0.002
+"""Idle wait between steps (a command may arrive); two engines share two cores."""
+BACKGROUND_PROMPT = "Every token attends to all the tokens that came before it."
+MAX_SAMPLES = 200_000
+"""Steps kept between two reads (a cap, not a window: windows are read well before)."""
+
+Sample = tuple[int, int, int]
+"""(scheduler-side connector ns, worker-side connector ns, whole step ns) of one step."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineArgs:
+    """How the child builds its engine (plain data: it crosses the process boundary)."""
+
+    model: str
+    """Model directory."""
+    kv_transfer_config: dict[str, Any]
+    """``LLM(kv_transfer_config=...)``: a timed connector (:mod:`.step_connectors`)."""
+    env: dict[str, str]
+    """Environment set before vLLM is imported (side-channel port, OpenMP binding, ...)."""
+    park: bool
+    """D: priority scheduling and one running request, so remote requests stay queued."""
+    max_num_seqs: int
+    """Running requests at once (P: room for a batch of prefills beside the background)."""
+    max_model_len: int = 512
+    """Small, so the 1 GiB CPU KV cache holds many requests."""
+
+
+class _Engine:
+    def __init__(self, args: EngineArgs) -> None:
+        from kvproto_tools.bench.step_timing import TOTALS
+
+        # Through importlib: this package type-checks where vLLM is not installed.
+        self.vllm: Any = importlib.import_module("vllm")
+        t0 = time.perf_counter()
+        self.llm = self.vllm.LLM(
+            model=args.model,
+            tokenizer=args.model,
+            dtype="float32",
+            enforce_eager=True,
+            block_size=32,
+            max_model_len=args.max_model_len,
+            max_num_seqs=1 if args.park else args.max_num_seqs,
+            scheduling_policy="priority" if args.park else "fcfs",
+            enable_prefix_caching=False,  # every prompt differs; P must hold, not hit
+            kv_transfer_config=args.kv_transfer_config,
+            seed=0,
+        )
+        self.init_s = time.perf_counter() - t0
+        self.totals = TOTALS
+        self.engine: Any = self.llm.llm_engine
+        # InprocClient (VLLM_ENABLE_V1_MULTIPROCESSING=0): the engine core is in-process.
+        self.scheduler = self.engine.engine_core.engine_core.scheduler
+        self.max_model_len = args.max_model_len
+        self.samples: deque[Sample] = deque(maxlen=MAX_SAMPLES)
+        self.hooks: dict[str, tuple[int, int]] = {}
+        """"side.hook" -> (calls, ns) since the last take."""
+        self.finished: dict[str, Any] = {}
+        self.background = 0
+        self._add_background()
+
+    def _params(self, max_tokens: int, kv: dict[str, Any] | None) -> Any:
+        extra = None if kv is None else {"kv_transfer_params": kv}
+        return self.vllm.SamplingParams(
+            temperature=0.0, ignore_eos=True, max_tokens=max_tokens, extra_args=extra
+        )
+
+    def _add_background(self) -> None:
+        self.background += 1
+        self.engine.add_request(
+            f"background-{self.background}",
+            BACKGROUND_PROMPT,
+            self._params(self.max_model_len - 64, None),
+            priority=0,
+        )
+
+    def step(self) -> None:
+        self.totals.take()  # what ran between steps (add_request's hooks) is not a step
+        start = time.perf_counter_ns()
+        outputs = self.engine.step()
+        elapsed = time.perf_counter_ns() - start
+        ns, hooks = self.totals.take()
+        self.samples.append((ns["scheduler"], ns["worker"], elapsed))
+        for (side, hook), (calls, hook_ns) in hooks.items():
+            key = f"{side}.{hook}"
+            had_calls, had_ns = self.hooks.get(key, (0, 0))
+            self.hooks[key] = (had_calls + calls, had_ns + hook_ns)
+        for out in outputs:
+            if not out.finished:
+                continue
+            if out.request_id.startswith("background-"):
+                self._add_background()
+            else:
+                self.finished[out.request_id] = out
+
+    # -- commands ----------------------------------------------------------------
+    def cmd_prefill(self, request_ids: list[str], prompts: list[str]) -> list[dict[str, Any]]:
+        """P: prefill for a remote decoder (one token); the kv_transfer_params D needs."""
+        for rid, prompt in zip(request_ids, prompts, strict=True):
+            self.engine.add_request(rid, prompt, self._params(1, {"do_remote_decode": True}))
+        while not all(r in self.finished for r in request_ids):
+            self.step()
+        params = [self.finished.pop(r).kv_transfer_params for r in request_ids]
+        if any(p is None for p in params):
+            raise RuntimeError("a prefill returned no kv_transfer_params: P holds nothing")
+        return params
+
+    def cmd_park(
+        self, request_ids: list[str], prompts: list[str], params: list[dict[str, Any]]
+    ) -> None:
+        """D: enqueue remote-prefill requests behind the background request."""
+        for rid, prompt, kv in zip(request_ids, prompts, params, strict=True):
+            self.engine.add_request(rid, prompt, self._params(16, kv), priority=1)
+
+    def cmd_take(self) -> dict[str, Any]:
+        """The samples and per-hook (calls, ns) since the last take; both reset."""
+        samples, hooks = list(self.samples), self.hooks
+        self.samples.clear()
+        self.hooks = {}
+        return {"samples": samples, "hooks": hooks}
+
+    def cmd_state(self) -> dict[str, int]:
+        """Requests running, queued, and finished but held for a reader (P's leases)."""
+        running, waiting = self.scheduler.get_request_counts()
+        held = len(self.scheduler.requests) - running - waiting
+        return {"running": running, "waiting": waiting, "held": held}
+
+
+def _child(conn: Any, args: EngineArgs) -> None:
+    os.environ.update(args.env)
+    try:
+        engine = _Engine(args)
+        conn.send(("ok", {"init_s": engine.init_s, "pid": os.getpid()}))
+    except BaseException as exc:
+        conn.send(("err", f"{exc!r}\n{traceback.format_exc()}"))
+        return
+    while True:
+        try:
+            if not conn.poll(PAUSE_S):
+                engine.step()
+                continue
+            name, kwargs = conn.recv()
+            if name == "stop":
+                conn.send(("ok", None))
+                return
+            conn.send(("ok", getattr(engine, f"cmd_{name}")(**kwargs)))
+        except BaseException as exc:
+            with contextlib.suppress(OSError):
+                conn.send(("err", f"{exc!r}\n{traceback.format_exc()}"))
+            return
+
+
+class EngineChild:
+    """Parent-side handle of one engine child: start, call a command, stop."""
+
+    def __init__(self, name: str, args: EngineArgs) -> None:
+        ctx = mp.get_context("spawn")
+        self.name = name
+        self._conn, child_end = ctx.Pipe()
+        self.proc = ctx.Process(target=_child, args=(child_end, args), name=name, daemon=True)
+        self.proc.start()
+
+    def call(self, name: str, /, *, timeout_s: float = 300.0, **kwargs: Any) -> Any:
+        """Run ``cmd_<name>(**kwargs)`` in the child (``start`` waits for the engine)."""
+        if name != "start":
+            self._conn.send((name, kwargs))
+        if not self._conn.poll(timeout_s):
+            raise TimeoutError(f"{self.name}: no answer to {name} in {timeout_s:.0f} s")
+        try:
+            status, value = self._conn.recv()
+        except EOFError:
+            self.proc.join(5)
+            raise RuntimeError(f"{self.name}: engine died ({self.proc.exitcode})") from None
+        if status != "ok":
+            raise RuntimeError(f"{self.name}: {value}")
+        return value
+
+    def stop(self) -> None:
+        """Ask the child to end; kill it if it does not within 30 s."""
+        if self.proc.is_alive():
+            with contextlib.suppress(TimeoutError, RuntimeError, OSError):
+                self.call("stop", timeout_s=30.0)
+            self.proc.join(30.0)
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join()
