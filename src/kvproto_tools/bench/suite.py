@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvproto_tools.bench import (
     anchor,
@@ -84,33 +84,42 @@ READER_NAMES = (
     "reader.heartbeat_tick",
     "reader.heartbeat_bytes_per_request",
 )
-OTHER_NAMES = (
-    "memory.per_lease",
-    "memory.gc_full_collect",
-    "transport.loopback.heartbeat_rtt",
-    "transport.loopback.read64_confirmed",
-    "scaling.idle_step.exponent",
-    "scaling.heartbeat_apply.exponent",
-)
+MEMORY_NAMES = ("memory.per_lease", "memory.gc_full_collect")
+TRANSPORT_NAMES = ("transport.loopback.heartbeat_rtt", "transport.loopback.read64_confirmed")
+SCALING_NAMES = ("scaling.idle_step.exponent", "scaling.heartbeat_apply.exponent")
 
 
-def expected_names(plan: Plan) -> set[str]:
+CORE_SUITES = ("core", "memory", "transport")
+"""In-process suites (no engine); ``kvproto bench`` runs all three unless told otherwise."""
+
+
+def expected_names(plan: Plan, suites: Sequence[str] = CORE_SUITES) -> set[str]:
     """Every figure name a run of ``plan`` produces (NIXL/UCX ones excepted: optional)."""
-    names = set(HOLDER_NAMES) | set(OTHER_NAMES)
-    names |= {f"{base}.e{e}" for base in READER_NAMES for e in plan.reader_engines}
+    names: set[str] = set()
+    if "core" in suites:
+        names |= set(HOLDER_NAMES) | set(SCALING_NAMES)
+        names |= {f"{base}.e{e}" for base in READER_NAMES for e in plan.reader_engines}
+    if "memory" in suites:
+        names |= set(MEMORY_NAMES)
+    if "transport" in suites:
+        names |= set(TRANSPORT_NAMES)
     return names
 
 
-def run(plan: Plan, say: Say, *, transports: bool = True) -> list[Figure]:
-    """All figures of ``plan``; optional sizes that would overrun the budget are skipped."""
+def run(
+    plan: Plan, say: Say, *, transports: bool = True, suites: Sequence[str] = CORE_SUITES
+) -> list[Figure]:
+    """All figures of ``plan`` for ``suites``, in the order they have always run;
+    optional sizes that would overrun the budget are skipped."""
     budget = Budget(plan.budget_s)
+    core = "core" in suites
     figures: list[Figure] = []
     cost: dict[int, float] = {}
     measured: dict[int, float] = {}
-    for n in plan.holder_sizes:
+    for n in plan.holder_sizes if core else ():
         got, cost[n], measured[n] = _holder(n, plan, say)
         figures += got
-    for n in plan.reader_sizes:
+    for n in plan.reader_sizes if core else ():
         for engines in plan.reader_engines:
             start = time.monotonic()
             figures += reader_bench.measure(n, engines, plan)
@@ -118,13 +127,15 @@ def run(plan: Plan, say: Say, *, transports: bool = True) -> list[Figure]:
                 f"reader: {n:>9,} requests over {engines:>2} engines "
                 f"in {time.monotonic() - start:5.1f} s"
             )
-    start = time.monotonic()
-    figures += memory_bench.measure(plan.memory_size)
-    say(f"memory: {plan.memory_size:>9,} leases in {time.monotonic() - start:5.1f} s")
-    start = time.monotonic()
-    figures += transport_bench.measure(plan, say, external=transports)
-    say(f"transport: in {time.monotonic() - start:5.1f} s")
-    for n in plan.scaling_extra:
+    if "memory" in suites:
+        start = time.monotonic()
+        figures += memory_bench.measure(plan.memory_size)
+        say(f"memory: {plan.memory_size:>9,} leases in {time.monotonic() - start:5.1f} s")
+    if "transport" in suites:
+        start = time.monotonic()
+        figures += transport_bench.measure(plan, say, external=transports)
+        say(f"transport: in {time.monotonic() - start:5.1f} s")
+    for n in plan.scaling_extra if core else ():
         projected = _project(n, cost, measured)
         if projected > budget.left():
             say(
@@ -134,6 +145,7 @@ def run(plan: Plan, say: Say, *, transports: bool = True) -> list[Figure]:
             continue
         got, cost[n], measured[n] = _holder(n, plan, say, direct=True)
         figures += got
-    figures += scaling.growth_figures(figures)
+    if core:
+        figures += scaling.growth_figures(figures)
     say(f"total: {budget.elapsed():.1f} s")
     return figures

@@ -85,8 +85,9 @@ def scaling_table(figures: list[Figure]) -> Table:
 
 
 def print_report(console: Console, figures: list[Figure]) -> None:
-    """The main table, then the scaling view."""
+    """The main table, then the scaling view where the run has scaling points."""
     console.print(
         figures_table(figures, "kvproto bench (ratio = anchor / kvproto; > 1: kvproto cheaper)")
     )
-    console.print(scaling_table(figures))
+    if any(scaling.points(figures, name) for name in scaling.CURVES):
+        console.print(scaling_table(figures))

@@ -1,0 +1,178 @@
+"""``kvproto bench --suite``: choosing suites, and the engine suites' figures without engines.
+
+The engine suites (``vllm-step``, ``http``) start real vLLM engines for
+minutes, so they are not run here; what is checked is everything around the
+engines: the hook timer, the figures' names and shape built from samples,
+the suite choice and its errors. Speed is not asserted.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvproto_tools.bench import main
+from kvproto_tools.bench.engine_suites import SuiteUnavailable, pd_cpu
+from kvproto_tools.bench.http_bench import HttpPlan, check, http_figures
+from kvproto_tools.bench.plan import QUICK
+from kvproto_tools.bench.step_bench import ANCHOR, Window, expected_step_names, step_figures
+from kvproto_tools.bench.step_timing import TOTALS, timed_connector_class
+from kvproto_tools.bench.suite import expected_names
+
+FIGURE_KEYS = ["name", "size", "value", "unit", "anchor", "anchor_value", "ratio"]
+
+
+class _Role:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+class _Connector:
+    """The shape of a vLLM connector the timer relies on: ``role.name`` and hook methods."""
+
+    def __init__(self, role: str) -> None:
+        self.role = _Role(role)
+        self.log: list[str] = []
+
+    def get_finished(self, ids: set[str]) -> set[str]:
+        self.log.append("get_finished")
+        return self.get_transfer_results(ids)  # a hook calling a hook, as stock's does
+
+    def get_transfer_results(self, ids: set[str]) -> set[str]:
+        self.log.append("get_transfer_results")
+        return set(ids)
+
+    def build_connector_meta(self, output: object) -> str:
+        self.log.append("build_connector_meta")
+        return "meta"
+
+    def not_a_hook(self) -> int:
+        return 7
+
+
+def test_timed_class_counts_each_outer_hook_call_once_per_side() -> None:
+    timed = timed_connector_class(_Connector, "Timed")
+    assert timed.__name__ == "Timed" and issubclass(timed, _Connector)
+    worker, scheduler = timed("WORKER"), timed("SCHEDULER")
+    TOTALS.take()
+    assert worker.get_finished({"a"}) == {"a"}  # the real method still runs
+    assert scheduler.build_connector_meta(None) == "meta"
+    assert worker.not_a_hook() == 7
+    ns, hooks = TOTALS.take()
+    assert worker.log == ["get_finished", "get_transfer_results"]
+    assert set(hooks) == {("worker", "get_finished"), ("scheduler", "build_connector_meta")}
+    assert hooks[("worker", "get_finished")][0] == 1  # the inner hook is inside the outer time
+    assert ns["worker"] == hooks[("worker", "get_finished")][1] > 0
+    assert ns["scheduler"] == hooks[("scheduler", "build_connector_meta")][1] > 0
+    assert TOTALS.take()[0] == {"scheduler": 0, "worker": 0}  # take resets
+
+
+def _windows(sizes: tuple[int, ...]) -> dict[tuple[str, str, int], Window]:
+    out = {}
+    for k, connector in enumerate(("kvproto", "stock")):
+        for role in ("prefill", "decode"):
+            for n in sizes:
+                samples = [(1_000 * (k + 1) + i, 2_000 + 10 * i, 5_000_000) for i in range(200)]
+                out[(connector, role, n)] = Window(samples=samples, requests=n)
+    return out
+
+
+def test_step_figures_pair_kvproto_with_stock_at_every_role_and_size() -> None:
+    sizes = (0, 100, 1_000)
+    figures = step_figures(_windows(sizes), sizes)
+    assert {f.name for f in figures} == expected_step_names()
+    assert {(f.name, f.size) for f in figures} == {
+        (name, n) for name in expected_step_names() for n in sizes
+    }
+    by = {(f.name, f.size): f for f in figures}
+    for role in ("prefill", "decode"):
+        for n in sizes:
+            total = by[(f"vllm_step.{role}.connector", n)]
+            parts = by[(f"vllm_step.{role}.scheduler", n)], by[(f"vllm_step.{role}.worker", n)]
+            assert total.anchor == ANCHOR and total.unit == "us"
+            assert total.value >= max(p.value for p in parts)
+            assert by[(f"vllm_step.{role}.connector.p99", n)].value >= total.value
+            # here kvproto's scheduler side is the cheaper one, so the total's verdict follows
+            assert total.met is (total.value <= (total.anchor_value or 0))
+            assert total.ratio is not None and total.ratio > 1
+        held = by[("vllm_step.prefill.held", n)]
+        assert held.value == held.anchor_value == n and held.ratio is None
+    for f in figures:
+        assert list(f.to_json()) == FIGURE_KEYS
+
+
+def test_step_figures_skip_a_size_only_one_connector_reached() -> None:
+    windows = _windows((0,))
+    del windows[("stock", "decode", 0)]
+    names = {f.name for f in step_figures(windows, (0,))}
+    assert names == {n for n in expected_step_names() if n.startswith("vllm_step.prefill")}
+
+
+def _http_result(variant: str, r: int, ttft: float) -> dict[str, Any]:
+    return {
+        "variant": variant,
+        "round": r,
+        "requests": 8,
+        "errors": 0,
+        "equal_to_baseline": 8,
+        "wall_s": 2.0,
+        "per_request": 0.25,
+        "ttft_p50": ttft,
+        "ttft_p99": 2 * ttft,
+        "e2e_p50": 3 * ttft,
+        "e2e_p99": 4 * ttft,
+        "threads": {"prefill": [], "decode": []},
+    }
+
+
+def test_http_figures_compare_kvproto_with_every_other_variant() -> None:
+    results = [
+        _http_result(v, r, t)
+        for r in range(2)
+        for v, t in (("kvproto", 0.2), ("stock", 0.5), ("stock-1t", 0.25))
+    ]
+    figures = http_figures(results)
+    by = {f.name: f for f in figures}
+    for other in ("stock", "stock-1t"):
+        ttft = by[f"http.ttft_p50.vs_{other}"]
+        assert ttft.unit == "ms" and ttft.value == pytest.approx(200.0)
+        assert by[f"http.equal_to_baseline.vs_{other}"].value == 16
+        assert by[f"http.errors.vs_{other}"].ratio is None
+    assert by["http.ttft_p50.vs_stock"].ratio == pytest.approx(2.5)
+    assert not any(".vs_kvproto" in name for name in by)
+
+
+def test_http_plan_must_include_kvproto_and_known_variants() -> None:
+    assert check(HttpPlan()) is None
+    assert check(HttpPlan(variants=("stock",))) is not None
+    assert check(HttpPlan(variants=("kvproto", "stock-9t"))) is not None
+    assert check(HttpPlan(requests=0)) is not None
+
+
+def test_a_missing_example_module_is_named() -> None:
+    """The engine suites name what they need from the source tree instead of a traceback."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM not installed: the suite stops at that first")
+    with pytest.raises(SuiteUnavailable, match="examples/pd_cpu"):
+        pd_cpu("no_such_module")
+
+
+def test_one_suite_alone_produces_its_figures_only(tmp_path: Path) -> None:
+    out = tmp_path / "memory.json"
+    assert main(["--quick", "--suite", "memory", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["machine"]["suites"] == ["memory"]
+    assert {f["name"] for f in doc["figures"]} == expected_names(QUICK, ["memory"])
+
+
+def test_an_unknown_suite_is_refused_before_anything_runs(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["--suite", "core,warp"]) == 2
+    assert (
+        "--suite: choose from core, memory, transport, vllm-step, http" in capsys.readouterr().err
+    )
