@@ -23,10 +23,11 @@ from kvproto.tpmath import target_remote_ranks
 from kvproto_tools.sim.model import Hold, Req, ReqState
 
 if TYPE_CHECKING:
-    from kvproto_tools.sim.engine import EngineState, Simulator
+    from kvproto_tools.sim.context import Context
+    from kvproto_tools.sim.model import EngineState
 
 
-def holder_oracles(sim: Simulator, eng: EngineState) -> None:
+def holder_oracles(ctx: Context, eng: EngineState) -> None:
     """S2 (never shortened) and S3 (no resurrection, no leak) for every holder rank."""
     side = eng.side
     counts = [0] * eng.tp
@@ -38,7 +39,7 @@ def holder_oracles(sim: Simulator, eng: EngineState) -> None:
                 continue
             prev = hold.deadlines.get(rank)
             if prev is not None and d < prev - 1e-9 and not eng.transports[rank].disturbed:
-                sim.violate(
+                ctx.books.violate(
                     "safety",
                     "S2 shortened",
                     f"{eng.name} rank {rank} moved {hold.key[:18]}'s deadline "
@@ -49,14 +50,14 @@ def holder_oracles(sim: Simulator, eng: EngineState) -> None:
         tr.disturbed = False
         live = side.holder_live(rank)
         if live != counts[rank]:
-            sim.violate(
+            ctx.books.violate(
                 "safety",
                 "S3 resurrection",
                 f"{eng.name} rank {rank} holds {live} leases, the engine {counts[rank]} live holds",
             )
 
 
-def bound_oracle(sim: Simulator, hold: Hold, rank: int) -> None:
+def bound_oracle(ctx: Context, hold: Hold, rank: int) -> None:
     """S1 (fence): an expiring lease must not be one its reader still believes live."""
     req = hold.req
     if req is None or req.reader is None or not req.reader.alive:
@@ -64,24 +65,24 @@ def bound_oracle(sim: Simulator, hold: Hold, rank: int) -> None:
     if req.state not in (ReqState.TRACKED, ReqState.READING) or req.finished:
         return
     reader = req.reader
-    now = reader.clock.local(sim.t)
+    now = reader.clock.local(ctx.clock.t)
     for rr in range(reader.tp):
         if rank not in target_remote_ranks(rr, reader.tp, hold.engine.tp):
             continue
         bound = reader.side.reader_bound(now, rr, req.key)
         if bound is None or bound == -math.inf:
             continue
-        if reader.clock.to_global(bound) > sim.t + 1e-6:
-            sim.violate(
+        if reader.clock.to_global(bound) > ctx.clock.t + 1e-6:
+            ctx.books.violate(
                 "safety",
                 "S1 fence bound",
                 f"{reader.name} rank {rr} believes {req.key[:18]} held until "
                 f"{reader.clock.to_global(bound):.3f}, {hold.engine.name} rank {rank} "
-                f"expired it at {sim.t:.3f}",
+                f"expired it at {ctx.clock.t:.3f}",
             )
 
 
-def l1_bound(sim: Simulator, hold: Hold) -> float:
+def l1_bound(ctx: Context, hold: Hold) -> float:
     """Latest global time a dead reader's blocks may still be held (L1)."""
     eng = hold.engine
     req = hold.req
@@ -89,21 +90,21 @@ def l1_bound(sim: Simulator, hold: Hold) -> float:
     ext = eng.side.renew_extension
     if ext is not None and req is not None and req.reader is not None:
         for rank in range(eng.tp):
-            last = sim.last_hb.get((eng.name, hold.incarnation, rank, req.reader.name))
+            last = ctx.cluster.last_hb.get((eng.name, hold.incarnation, rank, req.reader.name))
             if last is not None:
                 best = max(best, last + ext)
     return eng.clock.to_global(best) + eng.max_step + 1e-6
 
 
-def check_l1(sim: Simulator, hold: Hold) -> None:
+def check_l1(ctx: Context, hold: Hold) -> None:
     """L1 at the bound's time: the dead reader's hold must have ended."""
     if hold.ended_at is not None:
         return
-    bound = l1_bound(sim, hold)
-    if bound > sim.t:
-        sim.at(bound, lambda: check_l1(sim, hold))
+    bound = l1_bound(ctx, hold)
+    if bound > ctx.clock.t:
+        ctx.clock.at(bound, lambda: check_l1(ctx, hold))
         return
-    sim.violate(
+    ctx.books.violate(
         "liveness",
         "L1 dead reader",
         f"{hold.engine.name} still holds {hold.key[:18]} of dead "
@@ -112,12 +113,12 @@ def check_l1(sim: Simulator, hold: Hold) -> None:
     )
 
 
-def check_l2(sim: Simulator, req: Req, copied: float) -> None:
+def check_l2(ctx: Context, req: Req, copied: float) -> None:
     """L2: a read whose data arrived must be used or failed by now."""
     if req.state is ReqState.READING and req.reader is not None and req.reader.alive:
-        sim.violate(
+        ctx.books.violate(
             "liveness",
             "L2 read unresolved",
             f"{req.reader.name} neither used nor failed {req.key[:18]} "
-            f"{sim.t - copied:.3f} s after its data arrived",
+            f"{ctx.clock.t - copied:.3f} s after its data arrived",
         )

@@ -1,7 +1,8 @@
 """What engines do with requests: prefill and grant, route, track, read, use or recompute.
 
-Free functions over the :class:`~kvproto_tools.sim.engine.Simulator` so that
-the event loop (engine.py) stays small. Holder side: a prefill finishes, its
+Free functions over a run's :class:`~kvproto_tools.sim.context.Context` (the
+clock, the books, the cluster, the network, the step loop), so that the event
+loop (engine.py) stays small and none of this imports it. Holder side: a prefill finishes, its
 blocks get real bytes and a lease, the request goes to a decoder. Reader
 side: the request is tracked, waits in the queue, reads at a step boundary,
 and is used (kvproto: only after the holder confirmed) or recomputed.
@@ -12,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvproto_tools.sim import checks
+from kvproto_tools.sim.cluster import route
 from kvproto_tools.sim.memory import block_bytes, rank_heads
 from kvproto_tools.sim.model import Hold, Req, ReqState
 from kvproto_tools.sim.sides import ReadStart
@@ -19,39 +21,30 @@ from kvproto_tools.sim.workload import Arrival, prompt_blocks
 
 if TYPE_CHECKING:
     from kvproto.transport import ReadId
-    from kvproto_tools.sim.engine import EngineState, Simulator
+    from kvproto_tools.sim.context import Context
+    from kvproto_tools.sim.model import EngineState
     from kvproto_tools.sim.transport import SimTransport
 
 
-def route(sim: Simulator, engines: list[EngineState], preferred: int) -> EngineState | None:
-    """The first live engine from ``preferred`` on (the router skips dead ones)."""
-    n = len(engines)
-    for i in range(n):
-        eng = engines[(preferred + i) % n]
-        if eng.alive:
-            return eng
-    return None
-
-
-def prefill_arrival(sim: Simulator, a: Arrival) -> None:
+def prefill_arrival(ctx: Context, a: Arrival) -> None:
     """A client request reaches the prefill tier: queue it at a live P."""
-    eng = route(sim, sim.prefill, a.prefill)
+    eng = route(ctx.cluster.prefill, a.prefill)
     if eng is None:
-        sim.open_requests -= 1
-        sim.extra["lost"] += 1
+        ctx.books.open_requests -= 1
+        ctx.books.extra["lost"] += 1
         return
     eng.queue.append(a)
-    sim.request_wake(eng, sim.t)
+    ctx.steps.request_wake(eng, ctx.clock.t)
 
 
-def prefill_work(sim: Simulator, eng: EngineState, now: float) -> None:
+def prefill_work(ctx: Context, eng: EngineState, now: float) -> None:
     """Finish the running prefill (grant its blocks) and start the next one."""
-    t = sim.t
+    t = ctx.clock.t
     if eng.current is not None and eng.busy_until is not None and t >= eng.busy_until:
         done, blocks = eng.current
         eng.current = None
         eng.busy_until = None
-        prefill_done(sim, eng, now, done, blocks)
+        prefill_done(ctx, eng, now, done, blocks)
     if eng.current is None and eng.queue:
         a = eng.queue[0]
         taken = eng.pool.allocate(prompt_blocks(a.prompt_tokens), a)
@@ -59,12 +52,12 @@ def prefill_work(sim: Simulator, eng: EngineState, now: float) -> None:
             return  # P is full: new work waits for blocks (vLLM #50789)
         eng.queue.popleft()
         eng.current = (a, taken)
-        eng.busy_until = t + sim.prefill_time(a.prompt_tokens)
-        sim.request_wake(eng, eng.busy_until)
+        eng.busy_until = t + ctx.settings.prefill_time(a.prompt_tokens)
+        ctx.steps.request_wake(eng, eng.busy_until)
 
 
 def new_hold(
-    sim: Simulator,
+    ctx: Context,
     eng: EngineState,
     *,
     now: float,
@@ -80,7 +73,7 @@ def new_hold(
         incarnation=eng.incarnation,
         blocks=blocks,
         content=content,
-        granted_at=sim.t,
+        granted_at=ctx.clock.t,
         granted_local=now,
         ttl=ttl,
         ranks_live=set(range(eng.tp)),
@@ -93,44 +86,42 @@ def new_hold(
             tr.real.write_block(0, b, block_bytes(content, j, heads))
     hold.ticket = eng.side.grant(now, hold)
     eng.holds[key] = hold
-    sim.open_holds += 1
-    held(sim, hold.nblocks)
+    ctx.books.open_holds += 1
+    ctx.books.held(hold.nblocks)
     return hold
 
 
-def prefill_done(
-    sim: Simulator, eng: EngineState, now: float, a: Arrival, blocks: list[int]
-) -> None:
+def prefill_done(ctx: Context, eng: EngineState, now: float, a: Arrival, blocks: list[int]) -> None:
     """Prefill finished: grant the blocks and send the request to a decoder."""
     hold = new_hold(
-        sim,
+        ctx,
         eng,
         now=now,
         key=a.request_id,
         blocks=blocks,
         content=2 * a.index + 1,
-        ttl=sim.policy.turn1_ttl,
+        ttl=ctx.policy.turn1_ttl,
     )
     req = Req(key=hold.key, turn=1, arrival=a, hold=hold, tokens=a.prompt_tokens)
     hold.req = req
-    sim.reqs[req.key] = req
-    reader = route(sim, sim.decode, a.decode)
-    sim.note(
+    ctx.cluster.reqs[req.key] = req
+    reader = route(ctx.cluster.decode, a.decode)
+    ctx.books.note(
         f"{eng.name} granted {hold.key[:18]} ({hold.nblocks} blocks) for "
         f"{reader.name if reader else 'nobody'}"
     )
     if reader is None:
-        lose(sim, req)
+        lose(ctx, req)
         return
     req.reader = reader
-    sim.at(sim.t + sim.settings.proxy_delay, lambda: reader_arrival(sim, req))
+    ctx.clock.at(ctx.clock.t + ctx.settings.proxy_delay, lambda: reader_arrival(ctx, req))
 
 
-def rank_freed(sim: Simulator, eng: EngineState, rank: int, key: str, reason: str) -> None:
+def rank_freed(ctx: Context, eng: EngineState, rank: int, key: str, reason: str) -> None:
     """One holder rank freed its lease; the engine frees the blocks when every rank has."""
     hold = eng.holds.get(key)
     if hold is None or rank not in hold.ranks_live:
-        sim.violate(
+        ctx.books.violate(
             "safety",
             "S4 double free",
             f"{eng.name} rank {rank} freed {key[:18]} that it does not hold",
@@ -138,49 +129,42 @@ def rank_freed(sim: Simulator, eng: EngineState, rank: int, key: str, reason: st
         return
     hold.ranks_live.discard(rank)
     hold.end_reason = reason
-    if reason == "expired" and sim.policy.name == "kvproto":
-        checks.bound_oracle(sim, hold, rank)
+    if reason == "expired" and ctx.policy.name == "kvproto":
+        checks.bound_oracle(ctx, hold, rank)
     if not hold.ranks_live:
-        end_hold(sim, hold, lost=False)
+        end_hold(ctx, hold, lost=False)
 
 
-def end_hold(sim: Simulator, hold: Hold, *, lost: bool) -> None:
+def end_hold(ctx: Context, hold: Hold, *, lost: bool) -> None:
     """Every rank freed (or the holder died): the blocks are gone."""
     eng = hold.engine
-    t = sim.t
+    t = ctx.clock.t
     hold.ended_at = t
     hold.lost = lost
     if lost:
         hold.end_reason = "lost"
     del eng.holds[hold.key]
-    sim.open_holds -= 1
-    held(sim, -hold.nblocks)
+    ctx.books.open_holds -= 1
+    ctx.books.held(-hold.nblocks)
     req = hold.req
     if not lost:
         bad = eng.pool.release(hold.blocks, hold)
         if bad:
-            sim.violate(
+            ctx.books.violate(
                 "safety",
                 "S4 double free",
                 f"{eng.name} freed {bad} blocks of {hold.key[:18]} twice",
             )
         if hold.dead_since is None and req is not None and req.state.waiting_for_blocks:
-            sim.metrics.premature_frees += 1
-            sim.note(
+            ctx.books.metrics.premature_frees += 1
+            ctx.books.note(
                 f"{eng.name} freed {hold.key[:18]} ({hold.end_reason}) while its reader "
                 f"{req.reader.name if req.reader else '?'} still needs it (premature)"
             )
         else:
-            sim.note(f"{eng.name} freed {hold.key[:18]} ({hold.end_reason})")
+            ctx.books.note(f"{eng.name} freed {hold.key[:18]} ({hold.end_reason})")
     if hold.dead_since is not None:
-        sim.metrics.dead_block_seconds += hold.nblocks * (t - hold.dead_since)
-
-
-def held(sim: Simulator, delta: int) -> None:
-    """Blocks held by holders changed by ``delta`` (the plotted timeline)."""
-    sim.held_blocks += delta
-    if sim.record_timeline:
-        sim.timeline.append((sim.t, sim.held_blocks))
+        ctx.books.metrics.dead_block_seconds += hold.nblocks * (t - hold.dead_since)
 
 
 def mark_dead(hold: Hold, t: float) -> None:
@@ -189,23 +173,23 @@ def mark_dead(hold: Hold, t: float) -> None:
         hold.dead_since = t
 
 
-def reader_arrival(sim: Simulator, req: Req) -> None:
+def reader_arrival(ctx: Context, req: Req) -> None:
     """The request reaches its reader engine: queue it for tracking at the next step."""
     reader = req.reader
     if req.state is not ReqState.TRANSIT or reader is None:
         return
     if not reader.alive:
-        lose(sim, req)
+        lose(ctx, req)
         return
     reader.arrivals.append(req)
     wait = req.arrival.queue_wait if req.turn == 1 else 0.0
-    req.admit_at = sim.t + wait
-    sim.request_wake(reader, sim.t)
+    req.admit_at = ctx.clock.t + wait
+    ctx.steps.request_wake(reader, ctx.clock.t)
     if wait > 0:
-        sim.at(req.admit_at, lambda: sim.request_wake(reader, req.admit_at))
+        ctx.clock.at(req.admit_at, lambda: ctx.steps.request_wake(reader, req.admit_at))
 
 
-def reader_work(sim: Simulator, eng: EngineState, now: float) -> None:
+def reader_work(ctx: Context, eng: EngineState, now: float) -> None:
     """Track new arrivals; start the reads of requests whose queue wait is over."""
     side = eng.side
     arrivals, eng.arrivals = eng.arrivals, []
@@ -214,10 +198,10 @@ def reader_work(sim: Simulator, eng: EngineState, now: float) -> None:
             continue
         req.state = ReqState.TRACKED
         side.track(now, req)
-        sim.note(f"{eng.name} tracks {req.key[:18]}")
+        ctx.books.note(f"{eng.name} tracks {req.key[:18]}")
         eng.waiting.append(req)
-        sim.effects(eng)
-    t = sim.t
+        ctx.steps.effects(eng)
+    t = ctx.clock.t
     still: list[Req] = []
     for req in eng.waiting:
         if req.state is not ReqState.TRACKED:
@@ -234,23 +218,23 @@ def reader_work(sim: Simulator, eng: EngineState, now: float) -> None:
         outcome = side.try_read(now, req)
         if outcome is ReadStart.STARTED:
             req.state = ReqState.READING
-            sim.note(f"{eng.name} reads {req.key[:18]} from {req.hold.engine.name}")
+            ctx.books.note(f"{eng.name} reads {req.key[:18]} from {req.hold.engine.name}")
             if len(req.ranks_ok) == eng.tp:
-                use(sim, req)  # the ranks that read first were confirmed while one waited
+                use(ctx, req)  # the ranks that read first were confirmed while one waited
         elif outcome is ReadStart.WAIT:
             still.append(req)
-        sim.effects(eng)
+        ctx.steps.effects(eng)
         if outcome is ReadStart.DECLINED and req.state.waiting_for_blocks:
-            fail(sim, req, "declined")
+            fail(ctx, req, "declined")
     eng.waiting = still
 
 
-def copied(sim: Simulator, tr: SimTransport, read_id: ReadId) -> None:
+def copied(ctx: Context, tr: SimTransport, read_id: ReadId) -> None:
     """The loopback copied a read's data just now: did it overlap a free?"""
-    rec = sim.reads.pop((tr.real.local_peer, read_id), None)
+    rec = ctx.fabric.reads.pop((tr.real.local_peer, read_id), None)
     if rec is None:
         return
-    t = sim.t
+    t = ctx.clock.t
     rec.copied_at = t
     req = rec.req
     hold = req.hold
@@ -260,30 +244,32 @@ def copied(sim: Simulator, tr: SimTransport, read_id: ReadId) -> None:
         and hold.engine.pool.owns(hold.blocks, hold)
     )
     if not rec.intact:
-        sim.note(f"{tr.real.local_peer} copied {req.key[:18]} AFTER {hold.engine.name} freed it")
+        ctx.books.note(
+            f"{tr.real.local_peer} copied {req.key[:18]} AFTER {hold.engine.name} freed it"
+        )
     req.reads_copied += 1
     if req.reads_copied == len(req.reads) and req.state is ReqState.READING:
         mark_dead(hold, t)  # the data has moved: the holder's copy serves nobody now
-    if sim.liveness and req.reader is not None:
+    if ctx.liveness and req.reader is not None:
         wait = 2 * req.reader.max_step + 1e-6
         if req.reader.side.uses_fence:
             wait += 5.0  # ack_timeout
-        sim.at(t + wait, lambda: checks.check_l2(sim, req, t))
+        ctx.clock.at(t + wait, lambda: checks.check_l2(ctx, req, t))
 
 
-def use(sim: Simulator, req: Req) -> None:
+def use(ctx: Context, req: Req) -> None:
     """Every reader rank may use its blocks: the model computes with them."""
     eng = req.reader
     assert eng is not None
     req.state = ReqState.USED
-    sim.extra["used"] += 1
+    ctx.books.extra["used"] += 1
     overlapped = [r for r in req.reads if r.intact is not True]
-    corrupted = not bytes_ok(sim, req)
+    corrupted = not bytes_ok(ctx, req)
     if corrupted:
-        sim.extra["corrupted"] += 1
+        ctx.books.extra["corrupted"] += 1
     if overlapped:
-        sim.metrics.overlapped_reads += 1
-        sim.violate(
+        ctx.books.metrics.overlapped_reads += 1
+        ctx.books.violate(
             "safety",
             "S1 use after free",
             f"{eng.name} used {req.key[:18]} read from {req.hold.engine.name} (granted at "
@@ -291,16 +277,16 @@ def use(sim: Simulator, req: Req) -> None:
             f"({req.hold.end_reason})" + ("; the bytes differ" if corrupted else ""),
         )
     elif corrupted:
-        sim.violate(
+        ctx.books.violate(
             "safety",
             "S0 simulator",
             f"{req.key[:18]}: bytes differ though no free overlapped the read",
         )
-    sim.note(f"{eng.name} uses {req.key[:18]}")
-    resolve(sim, req)
+    ctx.books.note(f"{eng.name} uses {req.key[:18]}")
+    resolve(ctx, req)
 
 
-def bytes_ok(sim: Simulator, req: Req) -> bool:
+def bytes_ok(ctx: Context, req: Req) -> bool:
     """Whether every reader rank received exactly the bytes the holder wrote."""
     eng = req.reader
     assert eng is not None and req.local_blocks is not None
@@ -313,33 +299,33 @@ def bytes_ok(sim: Simulator, req: Req) -> bool:
     return True
 
 
-def fail(sim: Simulator, req: Req, reason: str) -> None:
+def fail(ctx: Context, req: Req, reason: str) -> None:
     """The reader cannot use the blocks: it recomputes them."""
     req.state = ReqState.FAILED
-    sim.metrics.wasted_prefill_tokens += req.tokens
-    sim.extra["recomputed"] += 1
-    mark_dead(req.hold, sim.t)
-    sim.note(f"{req.reader.name if req.reader else '?'} recomputes {req.key[:18]} ({reason})")
-    resolve(sim, req)
+    ctx.books.metrics.wasted_prefill_tokens += req.tokens
+    ctx.books.extra["recomputed"] += 1
+    mark_dead(req.hold, ctx.clock.t)
+    ctx.books.note(f"{req.reader.name if req.reader else '?'} recomputes {req.key[:18]} ({reason})")
+    resolve(ctx, req)
 
 
-def resolve(sim: Simulator, req: Req) -> None:
+def resolve(ctx: Context, req: Req) -> None:
     """The request no longer needs the holder: tell the side, then decode or finish."""
     eng = req.reader
     assert eng is not None
     if not req.finished:
         req.finished = True
-        eng.side.finish(eng.clock.local(sim.t), req)
+        eng.side.finish(eng.clock.local(ctx.clock.t), req)
     if req.turn == 1:
-        duration = req.arrival.output_tokens * sim.scenario.d_steps.step
-        end = eng.boundary(sim.t + duration)
-        sim.at(end, lambda: decode_done(sim, req))
+        duration = req.arrival.output_tokens * ctx.scenario.d_steps.step
+        end = eng.boundary(ctx.clock.t + duration)
+        ctx.clock.at(end, lambda: decode_done(ctx, req))
     else:
-        release_local(sim, req)
-        request_done(sim, req)
+        release_local(ctx, req)
+        request_done(ctx, req)
 
 
-def release_local(sim: Simulator, req: Req) -> None:
+def release_local(ctx: Context, req: Req) -> None:
     """Free the reader-side blocks the request read into."""
     eng = req.reader
     if req.local_blocks is not None and eng is not None and eng.alive:
@@ -347,49 +333,49 @@ def release_local(sim: Simulator, req: Req) -> None:
     req.local_blocks = None
 
 
-def request_done(sim: Simulator, req: Req) -> None:
+def request_done(ctx: Context, req: Req) -> None:
     """The request left the system."""
-    sim.reqs.pop(req.key, None)
-    sim.open_requests -= 1
+    ctx.cluster.reqs.pop(req.key, None)
+    ctx.books.open_requests -= 1
 
 
-def lose(sim: Simulator, req: Req) -> None:
+def lose(ctx: Context, req: Req) -> None:
     """The request died with an engine (not counted as recomputed)."""
     req.state = ReqState.LOST
-    mark_dead(req.hold, sim.t)
-    sim.extra["lost"] += 1
-    request_done(sim, req)
+    mark_dead(req.hold, ctx.clock.t)
+    ctx.books.extra["lost"] += 1
+    request_done(ctx, req)
 
 
-def decode_done(sim: Simulator, req: Req) -> None:
+def decode_done(ctx: Context, req: Req) -> None:
     """Decoding ended: free the blocks, or keep them as turn-2 blocks for the client."""
     eng = req.reader
     assert eng is not None
-    if req.key not in sim.reqs or not eng.alive:
+    if req.key not in ctx.cluster.reqs or not eng.alive:
         return  # lost with its engine
     a = req.arrival
     if not a.turn2:
-        release_local(sim, req)
-        request_done(sim, req)
+        release_local(ctx, req)
+        request_done(ctx, req)
         return
     # Bidirectional: D keeps the conversation's KV (prompt + output) for turn 2.
-    now = eng.clock.local(sim.t)
+    now = eng.clock.local(ctx.clock.t)
     need = prompt_blocks(a.prompt_tokens + a.output_tokens)
     mine = req.local_blocks or []
     more = eng.pool.allocate(max(0, need - len(mine)), req) if need > len(mine) else []
-    request_done(sim, req)
+    request_done(ctx, req)
     if more is None:
-        release_local(sim, req)
+        release_local(ctx, req)
         return
     req.local_blocks = None
     hold = new_hold(
-        sim,
+        ctx,
         eng,
         now=now,
         key="t2-" + a.request_id,
         blocks=mine + more,
         content=2 * a.index + 2,
-        ttl=sim.policy.turn2_ttl,
+        ttl=ctx.policy.turn2_ttl,
     )
     req2 = Req(
         key=hold.key,
@@ -400,18 +386,18 @@ def decode_done(sim: Simulator, req: Req) -> None:
         state=ReqState.THINKING,
     )
     hold.req = req2
-    sim.reqs[req2.key] = req2
-    sim.open_requests += 1
-    sim.extra["turn2"] += 1
-    sim.at(sim.t + a.think, lambda: client_returns(sim, req2))
+    ctx.cluster.reqs[req2.key] = req2
+    ctx.books.open_requests += 1
+    ctx.books.extra["turn2"] += 1
+    ctx.clock.at(ctx.clock.t + a.think, lambda: client_returns(ctx, req2))
 
 
-def client_returns(sim: Simulator, req: Req) -> None:
+def client_returns(ctx: Context, req: Req) -> None:
     """The client sends turn 2: a prefill engine will read the decoder's blocks."""
-    reader = route(sim, sim.prefill, req.arrival.turn2_prefill)
+    reader = route(ctx.cluster.prefill, req.arrival.turn2_prefill)
     if reader is None:
-        lose(sim, req)
+        lose(ctx, req)
         return
     req.reader = reader
     req.state = ReqState.TRANSIT
-    sim.at(sim.t + sim.settings.proxy_delay, lambda: reader_arrival(sim, req))
+    ctx.clock.at(ctx.clock.t + ctx.settings.proxy_delay, lambda: reader_arrival(ctx, req))

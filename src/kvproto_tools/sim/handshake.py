@@ -5,24 +5,25 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvproto_tools.sim.engine import EngineState, Simulator
+    from kvproto_tools.sim.context import Context
+    from kvproto_tools.sim.model import EngineState
     from kvproto_tools.sim.sides import HandshakeAsk
 
 
-def resolve_engine(sim: Simulator, engine_id: str) -> tuple[EngineState | None, int | None]:
+def resolve_engine(ctx: Context, engine_id: str) -> tuple[EngineState | None, int | None]:
     """(engine, incarnation) for an engine id (kvproto: name; vLLM: name.incarnation)."""
     name, _, inc = engine_id.partition(".")
-    eng = sim.engines.get(name)
+    eng = ctx.cluster.engines.get(name)
     return eng, (int(inc) if inc else None)
 
 
-def handshake(sim: Simulator, eng: EngineState, ask: HandshakeAsk) -> None:
+def handshake(ctx: Context, eng: EngineState, ask: HandshakeAsk) -> None:
     """Connect a reader rank to holder ranks over the side channel (ZMQ in deployments)."""
-    sim.extra["handshakes"] += 1
-    holder, inc = resolve_engine(sim, ask.engine_id)
-    s = sim.settings
-    rtt = 2 * sim.scenario.link.delay + s.handshake_cost
-    start = sim.t
+    ctx.books.extra["handshakes"] += 1
+    holder, inc = resolve_engine(ctx, ask.engine_id)
+    s = ctx.settings
+    rtt = 2 * ctx.scenario.link.delay + s.handshake_cost
+    start = ctx.clock.t
     serial = not eng.side.uses_fence  # vLLM: one handshake thread per worker
     if serial:
         start = max(start, eng.hs_busy.get(ask.rank, start))
@@ -34,7 +35,9 @@ def handshake(sim: Simulator, eng: EngineState, ask: HandshakeAsk) -> None:
         if eng.incarnation != reader_inc or (inc is not None and holder.incarnation != inc):
             return False
         me = f"{eng.name}r{ask.rank}"
-        return not any(sim.net.partitioned(me, f"{holder.name}r{r}") for r in ask.holder_ranks)
+        return not any(
+            ctx.fabric.net.partitioned(me, f"{holder.name}r{r}") for r in ask.holder_ranks
+        )
 
     def done() -> None:
         if not eng.alive or eng.incarnation != reader_inc:
@@ -47,16 +50,16 @@ def handshake(sim: Simulator, eng: EngineState, ask: HandshakeAsk) -> None:
                 htr = holder.transports[r]
                 htr.real.add_peer(me.metadata())  # the holder learns the reader too
                 meta[r] = htr.metadata()
-            offset = holder.clock.local(sim.t) - eng.clock.local(sim.t)
+            offset = holder.clock.local(ctx.clock.t) - eng.clock.local(ctx.clock.t)
             eng.hs_results.append((ask, meta, offset))
         else:
-            sim.extra["handshakes_failed"] += 1
+            ctx.books.extra["handshakes_failed"] += 1
             eng.hs_results.append((ask, None, 0.0))
-        sim.request_wake(eng, sim.t)
+        ctx.steps.request_wake(eng, ctx.clock.t)
 
     when = start + rtt
     if not ok():
         when = start + s.handshake_timeout
     if serial:
         eng.hs_busy[ask.rank] = when
-    sim.at(when, done)
+    ctx.clock.at(when, done)

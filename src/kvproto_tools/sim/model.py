@@ -1,14 +1,62 @@
-"""The simulator's records: holds (blocks kept for a reader), requests, reads, figures."""
+"""The simulator's records: engines, holds (blocks kept for a reader), requests, reads, figures."""
 
 from __future__ import annotations
 
 import enum
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvproto_tools.sim.memory import BlockPool
+
 if TYPE_CHECKING:
-    from kvproto_tools.sim.engine import EngineState
+    from kvproto_tools.sim.clock import NodeClock, StepClock
+    from kvproto_tools.sim.scenarios import EngineSpec
+    from kvproto_tools.sim.sides import HandshakeAsk, Side
+    from kvproto_tools.sim.transport import SimTransport
     from kvproto_tools.sim.workload import Arrival
+
+
+class EngineState:
+    """One engine (all its ranks) and its current incarnation."""
+
+    def __init__(self, spec: EngineSpec, clock: NodeClock) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.role = spec.role
+        self.tp = spec.tp
+        self.clock = clock
+        self.incarnation = 0
+        self.alive = False
+        self.steps: StepClock | None = None
+        self.max_step = 0.0
+        self.transports: list[SimTransport] = []
+        self.side: Side
+        self.pool = BlockPool(1)
+        self.holds: dict[str, Hold] = {}
+        self.next_wake: float | None = None
+        self.last_wake = -1.0
+        self.wakes_at_last = 0
+        # prefill (P role)
+        self.queue: deque[Arrival] = deque()
+        self.current: tuple[Arrival, list[int]] | None = None
+        self.busy_until: float | None = None
+        # reader role
+        self.arrivals: list[Req] = []
+        self.waiting: list[Req] = []
+        self.hs_results: list[tuple[HandshakeAsk, dict[int, bytes] | None, float]] = []
+        self.hs_busy: dict[int, float] = {}
+
+    def boundary(self, t: float) -> float:
+        """The first step boundary at or after ``t`` (P: the end of the running prefill)."""
+        if self.steps is not None:
+            return self.steps.boundary(t)
+        if self.busy_until is not None and t < self.busy_until:
+            return self.busy_until
+        return t
+
+    def __repr__(self) -> str:
+        return f"<{self.name}.{self.incarnation}>"
 
 
 class ReqState(enum.Enum):

@@ -1,8 +1,9 @@
 """Oracle bookkeeping: the trace ring and the violations a run records.
 
-The checks themselves live next to the events they watch (in
-:mod:`kvproto_tools.sim.engine`); this module keeps what a failing seed must
-print: the kind of violation, when, what, and the last events before it.
+The checks themselves live next to the events they watch
+(:mod:`kvproto_tools.sim.checks`, :mod:`kvproto_tools.sim.flows`); this module
+keeps what a failing seed must print: the kind of violation, when, what, and
+the last events before it.
 """
 
 from __future__ import annotations

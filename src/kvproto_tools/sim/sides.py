@@ -21,7 +21,7 @@ import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvproto.config import LeaseConfig
 from kvproto.errors import LocalProtocolError, RemoteProtocolError
@@ -51,8 +51,47 @@ from kvproto_tools.baselines.vllm_lease import (
 )
 
 if TYPE_CHECKING:
-    from kvproto_tools.sim.model import Hold, Req
     from kvproto_tools.sim.transport import SimTransport
+
+
+class HeldBlocks(Protocol):
+    """What a side reads of the blocks it grants (:class:`kvproto_tools.sim.model.Hold`)."""
+
+    @property
+    def key(self) -> str:
+        """The holder's request id."""
+
+    @property
+    def ttl(self) -> float:
+        """Initial lease, seconds."""
+
+    @property
+    def blocks(self) -> list[int]:
+        """Block ids on the holder."""
+
+    @property
+    def ticket(self) -> object:
+        """What :meth:`Side.grant` returned for them."""
+
+
+class ReadJob(Protocol):
+    """What a side reads of a request it reads for (:class:`kvproto_tools.sim.model.Req`)."""
+
+    @property
+    def key(self) -> str:
+        """Request id (the hold's key)."""
+
+    @property
+    def turn(self) -> int:
+        """1 (reading prefill blocks) or 2 (reading a decoder's turn-2 blocks)."""
+
+    @property
+    def hold(self) -> HeldBlocks:
+        """The blocks it reads."""
+
+    @property
+    def local_blocks(self) -> list[int] | None:
+        """Reader-side blocks it reads into (set before :meth:`Side.try_read`)."""
 
 
 class ReadStart(enum.Enum):
@@ -133,7 +172,7 @@ class Side(ABC):
         """The id readers use to name this engine as a holder."""
 
     @abstractmethod
-    def grant(self, now: float, hold: Hold) -> object:
+    def grant(self, now: float, hold: HeldBlocks) -> object:
         """Hold ``hold``'s blocks on every rank; return the ticket for the reader."""
 
     @abstractmethod
@@ -141,15 +180,15 @@ class Side(ABC):
         """Process what the transports delivered, run timers, send what is due."""
 
     @abstractmethod
-    def track(self, now: float, req: Req) -> None:
+    def track(self, now: float, req: ReadJob) -> None:
         """``req`` entered this (reader) engine's scheduler."""
 
     @abstractmethod
-    def try_read(self, now: float, req: Req) -> ReadStart:
+    def try_read(self, now: float, req: ReadJob) -> ReadStart:
         """The scheduler picked ``req``: read its blocks if possible."""
 
     @abstractmethod
-    def finish(self, now: float, req: Req) -> None:
+    def finish(self, now: float, req: ReadJob) -> None:
         """``req`` no longer needs the holder's blocks (used, failed or aborted)."""
 
     @abstractmethod
@@ -245,7 +284,7 @@ class KvprotoSide(Side):
     def uses_fence(self) -> bool:
         return True
 
-    def grant(self, now: float, hold: Hold) -> object:
+    def grant(self, now: float, hold: HeldBlocks) -> object:
         ticket = self.holders[0].grant(now, request_id=hold.key, ttl=hold.ttl)
         for holder in self.holders[1:]:
             holder.adopt(now, ticket)  # vLLM: the scheduler mints, every worker adopts
@@ -267,14 +306,14 @@ class KvprotoSide(Side):
         for rank, binding in enumerate(self.bindings):
             self._absorb(rank, binding.step(now))
 
-    def track(self, now: float, req: Req) -> None:
+    def track(self, now: float, req: ReadJob) -> None:
         ticket = req.hold.ticket
         assert isinstance(ticket, LeaseTicket)
         for rank, reader in enumerate(self.readers):
             reader.track(now, request_id=req.key, ticket=ticket)
             self._absorb(rank, self.bindings[rank].step(now))
 
-    def try_read(self, now: float, req: Req) -> ReadStart:
+    def try_read(self, now: float, req: ReadJob) -> ReadStart:
         if not all(reader.ready_to_read(req.key) for reader in self.readers):
             return ReadStart.WAIT
         assert req.local_blocks is not None
@@ -306,7 +345,7 @@ class KvprotoSide(Side):
         self._reading.pop(req.key, None)
         return ReadStart.STARTED
 
-    def finish(self, now: float, req: Req) -> None:
+    def finish(self, now: float, req: ReadJob) -> None:
         self._reading.pop(req.key, None)
         for rank, reader in enumerate(self.readers):
             try:
@@ -393,7 +432,7 @@ class VllmSide(Side):
     def engine_id(self) -> str:
         return f"{self.name}.{self.incarnation}"  # vLLM engine ids are per process
 
-    def grant(self, now: float, hold: Hold) -> object:
+    def grant(self, now: float, hold: HeldBlocks) -> object:
         deadline = now + hold.ttl
         for holder in self.holders:
             deadline = holder.grant(now, hold.key, ttl=hold.ttl)
@@ -458,14 +497,14 @@ class VllmSide(Side):
         ranks = tuple(target_remote_ranks(rank, self.tp, tp))
         self.effects.asks.append(HandshakeAsk(rank=rank, engine_id=engine_id, holder_ranks=ranks))
 
-    def track(self, now: float, req: Req) -> None:
+    def track(self, now: float, req: ReadJob) -> None:
         ticket = req.hold.ticket
         assert isinstance(ticket, BaselineTicket)
         self._engine_tp[ticket.engine_id] = ticket.tp
         if req.turn == 1:  # turn-2 blocks have a fixed TTL: nobody heartbeats them
             self.reader.on_new_request(ticket.request_id, ticket.engine_id)
 
-    def try_read(self, now: float, req: Req) -> ReadStart:
+    def try_read(self, now: float, req: ReadJob) -> ReadStart:
         ticket = req.hold.ticket
         assert isinstance(ticket, BaselineTicket)
         if req.turn == 2:
@@ -510,7 +549,7 @@ class VllmSide(Side):
                 self._reads[rank][read_id] = req.key
         return ReadStart.STARTED
 
-    def finish(self, now: float, req: Req) -> None:
+    def finish(self, now: float, req: ReadJob) -> None:
         ticket = req.hold.ticket
         assert isinstance(ticket, BaselineTicket)
         self.reader.stop(ticket.request_id)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvproto import wire
 from kvproto.tpmath import BlockSlice
@@ -34,8 +34,7 @@ from kvproto_transports.forwarding import ForwardingTransport
 from kvproto_transports.loopback import LoopbackTransport
 
 if TYPE_CHECKING:
-    from kvproto_tools.sim.engine import EngineState, Simulator
-    from kvproto_tools.sim.model import Req
+    from kvproto_tools.sim.agenda import Agenda
 
 HEARTBEAT_TAGS = frozenset({3, 4})
 """kvproto Heartbeat and HeartbeatAck: the keep-alive traffic."""
@@ -66,26 +65,51 @@ class _PendingRead:
     notify: bytes | None
 
 
+class RankHost(Protocol):
+    """What an endpoint reports to the simulator (all at the current global time)."""
+
+    def heartbeat_sent(self, nbytes: int) -> None:
+        """A heartbeat (or its ack) of ``nbytes`` left an endpoint."""
+
+    def heartbeat_seen(self, tr: SimTransport, peer: PeerId) -> None:
+        """``tr``'s rank is about to process a heartbeat from ``peer``."""
+
+    def read_issued(self, tr: SimTransport, handle: ReadId, peer: PeerId, job: object) -> None:
+        """``tr`` issued read ``handle`` from ``peer`` for ``job`` (the side's :attr:`context`)."""
+
+    def delivered(self, tr: SimTransport, events: list[TransportEvent]) -> None:
+        """Events for ``tr``'s rank, to be handled at its engine's next step."""
+
+
 class SimTransport(ForwardingTransport[LoopbackTransport]):
     """One rank's endpoint as the engine's side sees it; what it does not override goes to
     the real endpoint unchanged."""
 
     def __init__(
-        self, sim: Simulator, engine: EngineState, rank: int, real: LoopbackTransport
+        self,
+        host: RankHost,
+        clock: Agenda,
+        rank: int,
+        real: LoopbackTransport,
+        *,
+        skew: float,
+        seed: str,
     ) -> None:
         super().__init__(real)
-        self.sim = sim
-        self.engine = engine
+        self.host = host
+        self.clock = clock
         self.rank = rank
+        self.skew = skew
+        """A read is handed to the network up to this long after it is issued, seconds."""
         self.inbox: list[TransportEvent] = []
         """Events delivered by the network, waiting for the engine's next step."""
-        self.context: Req | None = None
+        self.context: object | None = None
         """The request whose reads are being issued (set by the side around read calls)."""
         self.disturbed = False
         """A peer was lost (or a send failed) since the oracles last looked: deadlines may drop."""
         self._next_id = 0
         self._handles: dict[ReadId, ReadId] = {}
-        self._rng = random.Random(f"{sim.base}/skew/{real.local_peer}")
+        self._rng = random.Random(f"{seed}/skew/{real.local_peer}")
 
     @property
     def real(self) -> LoopbackTransport:
@@ -96,8 +120,7 @@ class SimTransport(ForwardingTransport[LoopbackTransport]):
     def send(self, peer: PeerId, payload: bytes) -> None:
         kind = heartbeat_kind(payload)
         if kind:
-            self.sim.metrics.heartbeat_messages += 1
-            self.sim.metrics.heartbeat_bytes += len(payload)
+            self.host.heartbeat_sent(len(payload))
         try:
             self.real.send(peer, payload)
         except (PeerUnreachable, UnknownPeer):
@@ -109,7 +132,7 @@ class SimTransport(ForwardingTransport[LoopbackTransport]):
         for ev in events:
             if isinstance(ev, Received):
                 if heartbeat_kind(ev.payload) == 1:
-                    self.sim.heartbeat_seen(self.engine, self.rank, ev.peer)
+                    self.host.heartbeat_seen(self, ev.peer)
             elif isinstance(ev, PeerLost):
                 self.disturbed = True
         return events
@@ -140,9 +163,9 @@ class SimTransport(ForwardingTransport[LoopbackTransport]):
             notify=notify,
         )
         if self.context is not None:
-            self.sim.read_issued(self, handle, peer, self.context)
-        delay = self._rng.uniform(0.0, self.sim.settings.rank_skew)
-        self.sim.at(self.sim.t + delay, lambda: self._issue(pending))
+            self.host.read_issued(self, handle, peer, self.context)
+        delay = self._rng.uniform(0.0, self.skew)
+        self.clock.at(self.clock.t + delay, lambda: self._issue(pending))
         return handle
 
     def _issue(self, p: _PendingRead) -> None:
@@ -158,7 +181,7 @@ class SimTransport(ForwardingTransport[LoopbackTransport]):
                 notify=p.notify,
             )
         except TransportError as exc:
-            self.sim.network_events(self, [ReadFailed(read_id=p.handle, reason=str(exc))])
+            self.host.delivered(self, [ReadFailed(read_id=p.handle, reason=str(exc))])
             return
         self._handles[real_id] = p.handle
 
