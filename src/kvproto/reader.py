@@ -5,15 +5,15 @@ rank. For each holder rank it reads from it keeps a *session*
 (:class:`~kvproto.states.SessionState`): the binding is asked to make the
 holder reachable (:class:`~kvproto.events.Connect`), the reader says Hello,
 and once welcomed sends one heartbeat per tick (the holder's advertised
-interval). A heartbeat carries only changes (claims of newly tracked leases,
-aborts) until the holder acknowledges them, plus a count and digest of the
-leases the session holds, so it stays a few dozen bytes whatever the number
-of waiting requests.
+interval). What a heartbeat carries -- changes until acknowledged, plus the
+count and digest of the session's lease set -- is :mod:`kvproto.beats`; what
+the reader can prove about the holder's deadline is :mod:`kvproto.bounds`.
+This module keeps the requests and ties the two together.
 
 Reads are fenced twice:
 
 * before: :meth:`Reader.begin_read` declines when the lease may end within
-  ``read_margin`` — judged from a lower bound on the holder's deadline built
+  ``read_margin`` -- judged from a lower bound on the holder's deadline built
   from acknowledged heartbeats (relative durations, no clock sync needed) or,
   before any, from the ticket's deadline converted with the session's clock
   offset estimate;
@@ -22,8 +22,8 @@ Reads are fenced twice:
   the lease to ``now + extension``. So when the bound is too close and the
   lease is not known to be ending (session open, same holder incarnation,
   ``max_hold`` not within the margin) ``begin_read`` sends the session's
-  heartbeat at once — its normal one, early: the next tick is counted from
-  it — and answers :class:`~kvproto.events.ReadDeferred` instead of
+  heartbeat at once -- its normal one, early: the next tick is counted from
+  it -- and answers :class:`~kvproto.events.ReadDeferred` instead of
   declining. The caller asks again on a later step: once the holder
   acknowledged that heartbeat the decision is final (go, or decline for
   real); without an acknowledgement by ``now + ack_timeout`` the reader fails
@@ -34,18 +34,26 @@ Reads are fenced twice:
   holder answers HELD (the lease was live when the done arrived, hence for the
   whole read). LATE, REFUSED or silence for ``ack_timeout`` fail the request
   so it is recomputed, never served from blocks that may have been reused.
+
+Races are inputs, not errors: a read result or a ``finish`` for a request no
+longer tracked, or ``connected`` for a session that broke meanwhile, is
+counted in :class:`~kvproto.stats.ReaderStats` and ignored.
+:class:`~kvproto.errors.LocalProtocolError` means API misuse only (each
+method's docstring says which).
 """
 
 from __future__ import annotations
 
-import contextlib
+import heapq
 import hmac
+import itertools
 import math
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvproto import auth, wire
+from kvproto import auth, bounds, wire
+from kvproto.beats import Beats
 from kvproto.clock import SkewEstimator, SkewSample
 from kvproto.config import LeaseConfig, LeaseParams
 from kvproto.errors import LocalProtocolError, RemoteProtocolError
@@ -61,9 +69,7 @@ from kvproto.events import (
     RequestFailed,
     SendFrame,
 )
-from kvproto.leaseset import LeaseSet, digest_without
 from kvproto.states import (
-    READ_TRANSITIONS,
     ReadInput,
     ReadState,
     SessionInput,
@@ -82,10 +88,7 @@ SessionKey = tuple[str, int]
 _HOLDER_ALREADY_ENDED = frozenset(
     {FailReason.LEASE_LOST, FailReason.REVOKED, FailReason.HOLDER_RESTARTED}
 )
-_CLAIM_BYTES = 1 + 9 + 18
-_ID_BYTES = 9
-_FRAME_OVERHEAD = 64
-_INFLIGHT_KEEP = 64
+_STARTED = frozenset({ReadState.READING, ReadState.AWAITING_ACK})
 _STALE_KEEP = 16
 
 
@@ -113,27 +116,26 @@ class _Request:
     proof: bytes
     tracked_at: float
     parts: dict[int, _Part]
-    failed: bool = False
-    confirmed: bool = False
     defer_until: float = math.inf
     """Deferred read: without the holder's answer by then, the request is declined."""
 
+    @property
+    def failed(self) -> bool:
+        """The request failed (a request with no holder rank failed at track)."""
+        return not self.parts or any(p.state is ReadState.FAILED for p in self.parts.values())
 
-@dataclass(slots=True)
-class _Inflight:
-    sent: float
-    claims: tuple[int, ...]
-    aborts: tuple[int, ...]
-    final: bool = True
-    """Last frame of its tick: the only one whose count and digest state the whole set."""
-    acked_at: float | None = None
-    """When its acknowledgement arrived (local clock); None while unanswered."""
+    @property
+    def confirmed(self) -> bool:
+        """Every holder rank confirmed the read."""
+        return bool(self.parts) and all(p.state is ReadState.CONFIRMED for p in self.parts.values())
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Session:
     engine: str
     rank: int
+    serial: int
+    """Creation order: due sessions are served in it."""
     state: SessionState = SessionState.IDLE
     peer: PeerId = ""
     nonce: bytes = b""
@@ -154,20 +156,7 @@ class _Session:
     """When an unauthenticated "no session" last made us say Hello (once an interval)."""
     params: LeaseParams | None = None
     incarnation: int | None = None
-    seq: int = 0
-    acked_seq: int = 0
-    """Highest heartbeat seq the holder acknowledged (in sync or not)."""
-    last_beat: float = -math.inf
-    """When the last heartbeat left (deferrals of one instant share it)."""
-    next_beat: float = math.inf
-    leases: LeaseSet[str] = field(default_factory=LeaseSet)
-    """Lease id → the request whose lease it is (ids repeat across incarnations)."""
-    pending_claims: dict[int, bytes] = field(default_factory=dict)
-    pending_aborts: dict[int, bytes] = field(default_factory=dict)
-    inflight: dict[int, _Inflight] = field(default_factory=dict)
-    want_full: bool = False
-    in_sync_since: float = -math.inf
-    in_sync_seq: int = -1
+    beats: Beats = field(default_factory=Beats)
     skew: SkewEstimator = field(default_factory=SkewEstimator)
     stale_incarnations: set[int] = field(default_factory=set)
     """Holder incarnations a Welcome proved gone (their tickets fail at once)."""
@@ -205,19 +194,26 @@ class Reader:
         self._awaiting: set[tuple[str, int]] = set()
         self._by_lease: dict[tuple[str, int], str] = {}
         self._deferred: set[str] = set()
+        self._targets: dict[int, tuple[int, ...]] = {}
+        """Holder TP size → the holder ranks this rank reads from (empty: they do not divide)."""
+        self._timers: list[tuple[float, int, int, _Session]] = []
+        self._pushes = itertools.count()
+        """Heap of (next_beat, serial, push number, session); entries whose time is no longer the
+        session's are skipped, so an idle step costs O(1)."""
         self._out: list[ReaderOutput] = []
 
     # ------------------------------------------------------------------ API
 
     def track(self, now: float, *, request_id: str, ticket: LeaseTicket) -> None:
-        """Start keeping ``ticket``'s lease alive: call when the request enters the scheduler."""
+        """Start keeping ``ticket``'s lease alive: call when the request enters the scheduler.
+
+        A bad ticket fails the request (``RequestFailed``). Tracking an id that
+        is tracked already is misuse: :class:`LocalProtocolError`.
+        """
         if request_id in self._requests:
             raise LocalProtocolError(f"request {request_id!r} is already tracked")
         self.stats.tracked += 1
-        targets: list[int] = []
-        if ticket_problem(ticket) is None:
-            with contextlib.suppress(LocalProtocolError):  # TP sizes that do not divide
-                targets = target_remote_ranks(self.rank, self.tp_size, ticket.holder_tp_size)
+        targets = self._targets_of(ticket) if ticket_problem(ticket) is None else ()
         proof = claim_proof(ticket.token, self.engine, ticket.lease) if targets else b""
         req = _Request(request_id, ticket, proof, now, {r: _Part(rank=r) for r in targets})
         self._requests[request_id] = req
@@ -235,7 +231,7 @@ class Reader:
                 # probably restarted (then every later ticket is of the new one). Say
                 # Hello again; the Welcome tells which requests hold dead tickets.
                 restarted.append(session)
-            elif session.skew.known and self._ticket_bound(req, session, now) <= now:
+            elif session.skew.known and bounds.ticket_bound(session.skew, ticket, now) <= now:
                 self._fail(now, req, FailReason.BAD_TICKET)
                 return
         for session in restarted:
@@ -244,7 +240,7 @@ class Reader:
                 self._rehello(now, session)
         for rank in targets:
             session = self._session(ticket.holder_engine, rank)
-            self._need(now, session)
+            self._need(session)
             if session in restarted:
                 continue
             self._attach(session, req)
@@ -253,43 +249,56 @@ class Reader:
                 # until the holder has it the lease is not tied to this reader, so the
                 # reader's death would free it only by expiry. Tracks of one engine
                 # step still share one heartbeat; the tick is counted from it.
-                session.next_beat = now
+                self._schedule(session, now)
 
     def finish(self, now: float, request_id: str) -> None:
         """The request left the scheduler (finished, aborted, rejected): stop tracking it.
 
         If the blocks were not read (or not confirmed), the holder is told to
         free them now instead of waiting for the lease to lapse (vLLM #41269).
+        An id not tracked (finished already, or never tracked) is counted in
+        ``stats.untracked_finishes`` and ignored: finishing is idempotent.
         """
-        req = self._pop(request_id)
+        req = self._requests.get(request_id)
+        if req is None:
+            self.stats.untracked_finishes += 1
+            return
+        self._pop(req)
         self._deferred.discard(request_id)
         for part in req.parts.values():
-            if part.state in (ReadState.CONFIRMED, ReadState.FAILED, ReadState.FINISHED):
-                continue
             part.state = read_next(part.state, ReadInput.FINISH)
-            self._awaiting.discard((request_id, part.rank))
-            self._abort_at(now, req, part.rank)
+            if part.state is ReadState.FINISHED:  # not read, or not confirmed
+                self._awaiting.discard((request_id, part.rank))
+                self._abort_at(now, req, part.rank)
+
+    def is_tracked(self, request_id: str) -> bool:
+        """Whether ``request_id`` is tracked (tracked and not finished yet)."""
+        return request_id in self._requests
 
     def ready_to_read(self, request_id: str) -> bool:
-        """Every holder rank this request reads from has an open session."""
+        """Every holder rank this request reads from has an open session.
+
+        An id not tracked is misuse (:class:`LocalProtocolError`; ask :meth:`is_tracked`).
+        """
         req = self._get(request_id)
-        return all(
-            self._sessions[(req.ticket.holder_engine, r)].state is SessionState.OPEN
-            for r in req.parts
-        )
+        engine = req.ticket.holder_engine
+        return all(self._sessions[(engine, r)].state is SessionState.OPEN for r in req.parts)
 
     def begin_read(self, now: float, request_id: str) -> ReadGo | ReadDeferred | ReadDeclined:
         """Decide whether to read now. ``ReadGo`` lists one transfer per holder rank.
 
         ``ReadDeferred``: the bound was too close only for lack of a recent
         acknowledgement; a heartbeat left early. Call again on a later step.
+        Misuse (:class:`LocalProtocolError`): an id not tracked, a request that
+        already failed (its ``RequestFailed`` came out of :meth:`drain` before
+        this call could be made), or one without open sessions (:meth:`ready_to_read`).
         """
         req = self._get(request_id)
         if req.failed:
             raise LocalProtocolError(f"request {request_id!r} already failed")
         if not self.ready_to_read(request_id):
             raise LocalProtocolError(f"request {request_id!r} has no open session yet")
-        margin = self._read_margin(req)
+        margin = bounds.read_margin(self.config.read_margin, req.ticket)
         close = [r for r in req.parts if now + margin >= self._deadline_bound(req, r, now)]
         if close:
             deferred = req.defer_until < math.inf  # once deferred, never again
@@ -302,10 +311,10 @@ class Reader:
             return ReadDeclined(reason=FailReason.DEADLINE_TOO_CLOSE)
         self._deferred.discard(request_id)
         orders = []
+        done = wire.Done(claim=wire.Claim(lease=req.ticket.lease, proof=req.proof))
         for rank, part in req.parts.items():
             session = self._sessions[(req.ticket.holder_engine, rank)]
             part.state = read_next(part.state, ReadInput.BEGIN_READ)
-            done = wire.Done(claim=wire.Claim(lease=req.ticket.lease, proof=req.proof))
             part.done_frame = wire.encode(done, session.up)
             local_slice, remote_slice = read_slices(
                 self.rank, self.tp_size, req.ticket.holder_tp_size, rank
@@ -323,12 +332,19 @@ class Reader:
         return ReadGo(orders=tuple(orders))
 
     def read_completed(self, now: float, request_id: str, holder_rank: int) -> None:
-        """The transport says the read from ``holder_rank`` landed; await the verdict."""
-        req = self._get(request_id)
-        part = self._part(req, holder_rank)
-        if part.state is ReadState.FAILED:
+        """The transport says the read from ``holder_rank`` landed; await the verdict.
+
+        A request no longer tracked (finished while its read was in flight) is
+        counted in ``stats.late_read_results`` and ignored; a holder rank the
+        request does not read from is misuse (:class:`LocalProtocolError`).
+        """
+        req = self._result_of(request_id, holder_rank)
+        if req is None:
             return
+        part = req.parts[holder_rank]
         part.state = read_next(part.state, ReadInput.READ_DONE)
+        if part.state is not ReadState.AWAITING_ACK:  # failed meanwhile: nothing to await
+            return
         session = self._sessions[(req.ticket.holder_engine, holder_rank)]
         self._release(now, session, req.ticket.lease, request_id)
         if part.early_held:
@@ -339,17 +355,25 @@ class Reader:
         self._awaiting.add((request_id, holder_rank))
 
     def read_failed(self, now: float, request_id: str, holder_rank: int) -> None:
-        """The transport says the read from ``holder_rank`` failed: recompute."""
-        req = self._get(request_id)
-        self._part(req, holder_rank)
-        self._fail(now, req, FailReason.READ_FAILED)
+        """The transport says the read from ``holder_rank`` failed: recompute.
+
+        Untracked ids and wrong ranks as in :meth:`read_completed`.
+        """
+        req = self._result_of(request_id, holder_rank)
+        if req is not None:
+            self._fail(now, req, FailReason.READ_FAILED)
 
     def connected(self, now: float, *, engine: str, rank: int, peer: PeerId) -> None:
-        """The binding made holder ``(engine, rank)`` reachable as ``peer``: say Hello."""
-        session = self._sessions.get((engine, rank))
-        if session is None:
-            raise LocalProtocolError(f"no session was asked for {(engine, rank)}")
+        """The binding made holder ``(engine, rank)`` reachable as ``peer``: say Hello.
+
+        A session that broke meanwhile stays broken (``stats.stale_connects``);
+        a session never asked for (no ``Connect`` output) is misuse.
+        """
+        session = self._known_session(engine, rank)
         session.state = session_next(session.state, SessionInput.CONNECTED)
+        if session.state is SessionState.BROKEN:
+            self.stats.stale_connects += 1
+            return
         if session.peer != peer:
             if session.peer:
                 self._by_peer[session.peer].remove(session)
@@ -358,11 +382,11 @@ class Reader:
         self._hello(now, session)
 
     def connect_failed(self, now: float, *, engine: str, rank: int) -> None:
-        """The binding could not reach holder ``(engine, rank)``: its requests recompute."""
-        session = self._sessions.get((engine, rank))
-        if session is None:
-            raise LocalProtocolError(f"no session was asked for {(engine, rank)}")
-        self._break(now, session, FailReason.CONNECT_FAILED)
+        """The binding could not reach holder ``(engine, rank)``: its requests recompute.
+
+        A session never asked for is misuse (:class:`LocalProtocolError`).
+        """
+        self._break(now, self._known_session(engine, rank), FailReason.CONNECT_FAILED)
 
     def peer_lost(self, now: float, peer: PeerId) -> None:
         """The transport says ``peer`` is gone: the blocks it held are gone too."""
@@ -376,10 +400,6 @@ class Reader:
             self.stats.unexpected_frames += 1
             return
         session = sessions[-1]
-        authentic = bool(session.down) and (
-            wire.verify(session.down, data)
-            or (bool(session.prev_down) and wire.verify(session.prev_down, data))
-        )
         try:
             msg = wire.decode(data)
         except RemoteProtocolError:
@@ -403,7 +423,7 @@ class Reader:
                 self._on_reject(now, session, msg)
             else:
                 self.stats.bad_mac += 1
-        elif not authentic:
+        elif not self._authentic(session, data):
             if isinstance(msg, wire.Reject) and msg.reason == wire.RejectReason.NO_SESSION:
                 self._unsigned_no_session(now, session, msg)
             else:
@@ -424,46 +444,30 @@ class Reader:
 
     def get_timer(self) -> float | None:
         """The next time :meth:`handle_timer` has work, or None."""
-        times = [s.next_beat for s in self._sessions.values()]
+        best = self._next_session_timer()
         for rid in self._deferred:
             req = self._requests[rid]
             if not self._settled(req):
-                times.append(req.defer_until)
+                best = min(best, req.defer_until)
         for rid, rank in self._awaiting:
             part = self._requests[rid].parts[rank]
-            times.append(min(part.ack_deadline, part.next_resend))
-        best = min(times, default=math.inf)
+            best = min(best, part.ack_deadline, part.next_resend)
         return None if best == math.inf else best
 
     def handle_timer(self, now: float) -> None:
         """Send due heartbeats, re-send unacknowledged dones, fence reads whose ack is late."""
-        for session in list(self._sessions.values()):
-            if session.next_beat <= now:
-                if session.state is SessionState.HELLO_SENT:
-                    self._fail_lapsed(now, session)
-                    self._hello(now, session)
-                elif session.state is SessionState.OPEN:
-                    self._beat(now, session)
-                else:
-                    session.next_beat = math.inf
-        for rid, rank in list(self._awaiting):
-            req = self._requests[rid]
-            part = req.parts[rank]
-            if part.ack_deadline <= now:
-                self._fail(now, req, FailReason.FENCED_NO_ACK)
-            elif part.next_resend <= now:
-                session = self._sessions[(req.ticket.holder_engine, rank)]
-                self.stats.done_resent += 1
-                part.resends += 1
-                step = self.config.ack_timeout / (self.config.done_retries + 1)
-                part.next_resend = (
-                    now + step if part.resends < self.config.done_retries else math.inf
-                )
-                # Re-signed with the current key: a re-key since the read began
-                # would otherwise make every re-send fail its MAC.
-                done = wire.Done(claim=wire.Claim(lease=req.ticket.lease, proof=req.proof))
-                payload = wire.encode(done, session.up) if session.up else part.done_frame
-                self._out.append(SendFrame(peer=session.peer, payload=payload))
+        for session in self._due_sessions(now):
+            if session.beats.next_beat > now:
+                continue  # rescheduled by an earlier session's work
+            if session.state is SessionState.HELLO_SENT:
+                self._fail_lapsed(now, session)
+                self._hello(now, session)
+            elif session.state is SessionState.OPEN:
+                self._beat(now, session)
+            else:
+                self._schedule(session, math.inf)
+        if self._awaiting:
+            self._resend_dones(now)
         for rid in list(self._deferred):
             req = self._requests[rid]
             if self._settled(req):
@@ -482,7 +486,7 @@ class Reader:
     # ------------------------------------------------------------ queries
 
     def state(self, request_id: str) -> dict[int, ReadState]:
-        """Holder rank → state of this request."""
+        """Holder rank → state of this request (an untracked id is misuse)."""
         return {r: p.state for r, p in self._get(request_id).parts.items()}
 
     def session_state(self, engine: str, rank: int) -> SessionState:
@@ -496,7 +500,10 @@ class Reader:
         return None if session is None else session.skew
 
     def deadline_bound(self, now: float, request_id: str) -> float:
-        """Earliest local time any holder rank of this request may free its blocks."""
+        """Earliest local time any holder rank of this request may free its blocks.
+
+        An untracked id is misuse (ask :meth:`is_tracked`).
+        """
         req = self._get(request_id)
         return min((self._deadline_bound(req, r, now) for r in req.parts), default=-math.inf)
 
@@ -504,7 +511,63 @@ class Reader:
         """Requests currently tracked."""
         return len(self._requests)
 
+    # ------------------------------------------------------------ timers
+
+    def _schedule(self, session: _Session, at: float) -> None:
+        """The session's timer is due at ``at`` (inf: none)."""
+        beats = session.beats
+        if at != beats.next_beat:
+            beats.next_beat = at
+            if at < math.inf:
+                heapq.heappush(self._timers, (at, session.serial, next(self._pushes), session))
+
+    def _next_session_timer(self) -> float:
+        timers = self._timers
+        while timers and timers[0][3].beats.next_beat != timers[0][0]:
+            heapq.heappop(timers)  # rescheduled since
+        return timers[0][0] if timers else math.inf
+
+    def _due_sessions(self, now: float) -> list[_Session]:
+        """Sessions whose timer is due, in creation order (as a scan of all would serve them)."""
+        timers = self._timers
+        if not timers or timers[0][0] > now:
+            return []
+        due: dict[int, _Session] = {}
+        while timers and timers[0][0] <= now:
+            at, serial, _, session = heapq.heappop(timers)
+            if session.beats.next_beat == at:
+                due[serial] = session
+        return [due[serial] for serial in sorted(due)]
+
+    def _resend_dones(self, now: float) -> None:
+        for rid, rank in list(self._awaiting):
+            req = self._requests[rid]
+            part = req.parts[rank]
+            if part.ack_deadline <= now:
+                self._fail(now, req, FailReason.FENCED_NO_ACK)
+            elif part.next_resend <= now:
+                session = self._sessions[(req.ticket.holder_engine, rank)]
+                self.stats.done_resent += 1
+                part.resends += 1
+                step = self.config.ack_timeout / (self.config.done_retries + 1)
+                part.next_resend = (
+                    now + step if part.resends < self.config.done_retries else math.inf
+                )
+                # Re-signed with the current key: a re-key since the read began
+                # would otherwise make every re-send fail its MAC.
+                done = wire.Done(claim=wire.Claim(lease=req.ticket.lease, proof=req.proof))
+                payload = wire.encode(done, session.up) if session.up else part.done_frame
+                self._out.append(SendFrame(peer=session.peer, payload=payload))
+
     # ------------------------------------------------------------ frames
+
+    @staticmethod
+    def _authentic(session: _Session, data: bytes) -> bool:
+        """Signed with the session's holder → reader key (or the one before a re-key)."""
+        return bool(session.down) and (
+            wire.verify(session.down, data)
+            or (bool(session.prev_down) and wire.verify(session.prev_down, data))
+        )
 
     def _unsigned_no_session(self, now: float, session: _Session, msg: wire.Reject) -> None:
         """A holder without our session cannot sign its "no session"; anyone could
@@ -512,7 +575,7 @@ class Reader:
         heartbeat interval: a forger can then cost one handshake an interval, and
         the Welcome is followed by a heartbeat at once, so the leases stay renewed.
         """
-        beat = session.inflight.get(msg.seq)
+        beat = session.beats.inflight.get(msg.seq)
         if (
             session.state is not SessionState.OPEN
             or beat is None
@@ -530,28 +593,23 @@ class Reader:
         A holder that restarted knows none of the old tokens, so it cannot sign
         any answer to a Hello anchored on them, and an unsigned "holder
         restarted" would let anyone fail our requests. Without a Welcome the
-        request fails once the lease is surely over (:meth:`_lapsed`): at most
-        the ticket's lease, or one extension past the last acknowledged
-        heartbeat. A newer ticket of the new incarnation, if any, keys a Welcome
-        at once and tells sooner.
+        request fails once the lease is surely over
+        (:func:`kvproto.bounds.surely_lapsed_at`): at most the ticket's lease, or
+        one extension past the last acknowledged heartbeat. A newer ticket of
+        the new incarnation, if any, keys a Welcome at once and tells sooner.
         """
-        stretch = 1 + self._drift
-        for rid in {*session.leases.owners(), *session.parked}:
+        for rid in {*session.beats.leases.owners(), *session.parked}:
             req = self._requests.get(rid)
             if req is None or req.failed:
                 continue
-            extension = (session.params or req.ticket.params).extension * stretch
-            lapse = req.tracked_at + req.ticket.expires_in * stretch
-            for beat in session.inflight.values():  # in send order
-                if beat.sent >= lapse:
-                    break
-                # Unanswered: taken to have arrived within ack_timeout. Wrong only if
-                # the network held it longer, and then the cost is a recompute: a
-                # request failed here is never read.
-                arrived = beat.acked_at if beat.acked_at is not None else beat.sent
-                if beat.acked_at is None:
-                    arrived += self.config.ack_timeout
-                lapse = max(lapse, arrived + extension)
+            lapse = bounds.surely_lapsed_at(
+                tracked_at=req.tracked_at,
+                ticket=req.ticket,
+                extension=(session.params or req.ticket.params).extension,
+                beats=session.beats.inflight.values(),
+                drift=self._drift,
+                ack_timeout=self.config.ack_timeout,
+            )
             if now >= lapse:
                 self._fail(now, req, FailReason.LEASE_LOST)
 
@@ -565,7 +623,7 @@ class Reader:
         parked = [self._requests[rid] for rid in reversed(session.parked) if rid in self._requests]
         acked: list[_Request] = []
         other: list[_Request] = []
-        for rid in session.leases.owners(newest_first=True):
+        for rid in session.beats.leases.owners(newest_first=True):
             req = self._requests.get(rid)
             if req is None:
                 continue
@@ -580,7 +638,7 @@ class Reader:
     def _hello(self, now: float, session: _Session) -> None:
         session.nonce = self._entropy(16)
         session.hello_sent = now
-        session.next_beat = now + self._interval(session)  # re-Hello if no Welcome by then
+        self._schedule(session, now + self._interval(session))  # re-Hello if no Welcome by then
         req = self._anchor(session)
         if req is None:
             # No ticket to prove, nothing to heartbeat either. The retry timer runs on,
@@ -654,15 +712,16 @@ class Reader:
         session.skew.add(SkewSample(sent=session.hello_sent, peer=msg.clock, received=now))
         session.params = msg.params
         session.incarnation = msg.incarnation
-        for lease, rid in list(session.leases.items()):
+        beats = session.beats
+        for lease, rid in list(beats.leases.items()):
             req = self._requests.get(rid)
             if req is not None and req.ticket.holder_incarnation != msg.incarnation:
                 self._stale(session, req.ticket.holder_incarnation)
                 self._fail(now, req, FailReason.HOLDER_RESTARTED)
-            elif req is not None and self._ticket_bound(req, session, now) <= now:
+            elif req is not None and bounds.ticket_bound(session.skew, req.ticket, now) <= now:
                 self._fail(now, req, FailReason.LEASE_LOST)
             else:
-                session.pending_claims.setdefault(lease, self._proof_of(rid))
+                beats.pending_claims.setdefault(lease, self._proof_of(rid))
         parked, session.parked = session.parked, []
         for rid in parked:
             req = self._requests.get(rid)
@@ -671,52 +730,37 @@ class Reader:
             if req.ticket.holder_incarnation != msg.incarnation:
                 self._stale(session, req.ticket.holder_incarnation)
                 self._fail(now, req, FailReason.HOLDER_RESTARTED)
-            elif self._ticket_bound(req, session, now) <= now:
+            elif bounds.ticket_bound(session.skew, req.ticket, now) <= now:
                 self._fail(now, req, FailReason.LEASE_LOST)
             else:
                 self._attach(session, req)
         self._beat(now, session)  # at once: vLLM dropped the heartbeat of the handshake tick
 
     def _on_ack(self, now: float, session: _Session, ack: wire.HeartbeatAck) -> None:
-        sent = session.inflight.get(ack.seq)
+        beats = session.beats
+        sent = beats.answered(now, ack.seq)
         if sent is None:
             self.stats.unexpected_frames += 1
             return
         self.stats.acks += 1
-        session.acked_seq = max(session.acked_seq, ack.seq)
-        if sent.acked_at is None:
-            sent.acked_at = now
         session.skew.add(SkewSample(sent=sent.sent, peer=ack.clock, received=now))
-        for lease in sent.aborts:
-            session.pending_aborts.pop(lease, None)
         for lease, left in ack.held:
-            if session.pending_claims.pop(lease, None) is None and lease not in sent.claims:
+            if not beats.claim_answered(lease, sent):
                 continue
-            rid = session.leases.owner(lease)
+            rid = beats.leases.owner(lease)
             req = None if rid is None else self._requests.get(rid)
             if req is None:
                 continue
             part = req.parts[session.rank]
-            part.lower_bound = max(part.lower_bound, sent.sent + left * (1 - self._drift))
+            acked = bounds.acked_bound(sent.sent, left, self._drift)
+            part.lower_bound = max(part.lower_bound, acked)
             part.claimed_seq = min(part.claimed_seq, ack.seq)
-            if (part.state, ReadInput.CLAIM_ACKED) in READ_TRANSITIONS:
-                part.state = read_next(part.state, ReadInput.CLAIM_ACKED)
+            part.state = read_next(part.state, ReadInput.CLAIM_ACKED)
         for lease in ack.lost:
-            session.pending_claims.pop(lease, None)
+            beats.pending_claims.pop(lease, None)
             self._lease_failed(now, session, lease, FailReason.LEASE_LOST)
-        if not sent.final:
-            # An earlier frame of a split batch: its count excludes claims still in
-            # flight, so neither a mismatch nor a match says anything about our set.
-            return
-        if ack.resync:
-            session.want_full = True
+        if beats.compared(ack.seq, sent, resync=ack.resync):
             self._resync_deferred(now, session, ack.seq)
-        elif ack.seq > session.in_sync_seq:
-            # Count and digest matched: when this heartbeat arrived the holder held
-            # exactly our lease set, so every lease claimed by then lives at least
-            # until arrival + extension, and arrival came after sending.
-            session.in_sync_seq = ack.seq
-            session.in_sync_since = sent.sent
 
     def _on_done_ack(self, now: float, session: _Session, msg: wire.DoneAck) -> None:
         req, part = self._find(session, msg.lease)
@@ -742,7 +786,7 @@ class Reader:
                 self._held(req, part)
             else:
                 self.stats.unexpected_frames += 1
-        elif part.state in (ReadState.READING, ReadState.AWAITING_ACK):
+        elif part.state in _STARTED:
             self.stats.fenced += 1
             late = msg.verdict == wire.DoneVerdict.LATE
             self._fail(now, req, FailReason.FENCED_LATE if late else FailReason.REFUSED)
@@ -759,8 +803,7 @@ class Reader:
     def _rehello(self, now: float, session: _Session) -> None:
         """The holder does not know this session (any more): Hello again, re-claim all."""
         session.state = session_next(session.state, SessionInput.REJECTED)
-        for lease, rid in session.leases.items():
-            session.pending_claims.setdefault(lease, self._proof_of(rid))
+        session.beats.reclaim_all(self._proof_of)
         self._hello(now, session)
 
     @staticmethod
@@ -769,86 +812,56 @@ class Reader:
             session.stale_incarnations.pop()
         session.stale_incarnations.add(incarnation)
 
-    # ------------------------------------------------------------ heartbeats
-
     def _beat(self, now: float, session: _Session) -> None:
-        """Send this tick's heartbeat(s); split to the frame budget, never truncated."""
-        session.next_beat = (
-            now + self._interval(session)
-            if (session.leases or session.pending_aborts)
-            else math.inf
+        """Send this tick's heartbeat(s) (:meth:`kvproto.beats.Beats.frames`)."""
+        beats = session.beats
+        self._schedule(
+            session,
+            now + self._interval(session) if (beats.leases or beats.pending_aborts) else math.inf,
         )
-        claims = [wire.Claim(lease=lease, proof=p) for lease, p in session.pending_claims.items()]
-        aborts = [wire.Claim(lease=lease, proof=p) for lease, p in session.pending_aborts.items()]
-        budget = self._budget() - _FRAME_OVERHEAD
-        full: list[int] | None = None
-        if session.want_full:
+        if beats.want_full:
             self.stats.resyncs += 1
-            session.want_full = False
-            if len(session.leases) <= budget // _ID_BYTES:
-                # The full list goes alone in the first frame and names only leases the
-                # holder can already know: claims travel in the frames after it, and a
-                # listed lease that was never claimed would be answered "lost".
-                pending = {c.lease for c in claims}
-                full = wire.delta_encode(lease for lease in session.leases if lease not in pending)
-            else:
-                # Too many to list in one frame: fall back to explicit claims of every lease.
-                claims = [
-                    wire.Claim(lease=lease, proof=self._proof_of(rid))
-                    for lease, rid in session.leases.items()
-                ]
-        # Aborts first, then claims, ``room`` per frame. Each frame's count and digest
-        # describe the set the holder should hold once it has applied that frame (our
-        # set minus the claims still to come), so a split batch does not look like a
-        # divergence; only the last frame states our whole set.
-        room = max(1, budget // _CLAIM_BYTES)
-        items = [(False, c) for c in aborts] + [(True, c) for c in claims]
-        parts = [items[i : i + room] for i in range(0, len(items), room)] or [[]]
-        if full is not None and items:
-            parts.insert(0, [])
-        later_count = len(claims)
-        later_digest = wire.digest(c.lease for c in claims)
-        for index, part in enumerate(parts):
-            part_claims = [c for is_claim, c in part if is_claim]
-            part_aborts = [c for is_claim, c in part if not is_claim]
-            later_count -= len(part_claims)
-            later_digest = digest_without(later_digest, (c.lease for c in part_claims))
-            session.seq += 1
-            session.last_beat = now
-            hb = wire.Heartbeat(
-                seq=session.seq,
-                claims=part_claims,
-                aborts=part_aborts,
-                count=session.leases.count - later_count,
-                digest=(session.leases.digest - later_digest) & wire.MAX_U64,
-                full=full if index == 0 else None,
-            )
-            payload = wire.encode(hb, session.up)
-            session.inflight[session.seq] = _Inflight(
-                sent=now,
-                claims=tuple(c.lease for c in part_claims),
-                aborts=tuple(c.lease for c in part_aborts),
-                final=index == len(parts) - 1,
-            )
-            self.stats.heartbeats_sent += 1
-            self.stats.heartbeat_bytes += len(payload)
-            self._out.append(SendFrame(peer=session.peer, payload=payload))
-        while len(session.inflight) > _INFLIGHT_KEEP:
-            del session.inflight[next(iter(session.inflight))]
+        stats, out, peer = self.stats, self._out, session.peer
+        for payload in beats.frames(
+            now, key=session.up, budget=self.config.frame_budget, proof_of=self._proof_of
+        ):
+            stats.heartbeats_sent += 1
+            stats.heartbeat_bytes += len(payload)
+            out.append(SendFrame(peer=peer, payload=payload))
 
     # ------------------------------------------------------------ helpers
+
+    def _targets_of(self, ticket: LeaseTicket) -> tuple[int, ...]:
+        """The holder ranks this rank reads ``ticket`` from; () if the TP sizes do not divide."""
+        holder_tp = ticket.holder_tp_size
+        targets = self._targets.get(holder_tp)
+        if targets is None:
+            big, small = max(self.tp_size, holder_tp), min(self.tp_size, holder_tp)
+            targets = (
+                ()
+                if big % small
+                else tuple(target_remote_ranks(self.rank, self.tp_size, holder_tp))
+            )
+            self._targets[holder_tp] = targets
+        return targets
 
     def _session(self, engine: str, rank: int) -> _Session:
         session = self._sessions.get((engine, rank))
         if session is None:
-            session = _Session(engine=engine, rank=rank)
+            session = _Session(engine=engine, rank=rank, serial=len(self._sessions))
             session.skew = SkewEstimator(max_drift_ppm=self.config.max_drift_ppm)
             self._sessions[(engine, rank)] = session
         return session
 
-    def _need(self, now: float, session: _Session) -> None:
+    def _known_session(self, engine: str, rank: int) -> _Session:
+        session = self._sessions.get((engine, rank))
+        if session is None:
+            raise LocalProtocolError(f"no session was asked for {(engine, rank)}")
+        return session
+
+    def _need(self, session: _Session) -> None:
         before = session.state
-        session.state = session_next(session.state, SessionInput.NEED)
+        session.state = session_next(before, SessionInput.NEED)
         if before in (SessionState.IDLE, SessionState.BROKEN):
             self._out.append(Connect(engine=session.engine, rank=session.rank))
 
@@ -856,14 +869,11 @@ class Reader:
         """The session heartbeats ``req``'s lease from now on (claim in the next beat)."""
         lease = req.ticket.lease
         self._by_lease[(session.engine, lease)] = req.request_id
-        self._hold(session, lease, req.request_id)
-        session.pending_claims[lease] = req.proof
-
-    def _hold(self, session: _Session, lease: int, request_id: str) -> None:
-        session.leases.add(lease, request_id)
+        session.beats.hold(lease, req.request_id, req.proof)
 
     def _release(self, now: float, session: _Session, lease: int, request_id: str) -> bool:
-        if session.leases.owner(lease) != request_id:
+        beats = session.beats
+        if beats.leases.owner(lease) != request_id:
             return False  # not held (or the id is another incarnation's request)
         req = self._requests.get(request_id)
         part = None if req is None else req.parts.get(session.rank)
@@ -871,8 +881,7 @@ class Reader:
             # Later in-sync heartbeats no longer cover this lease: keep what the
             # earlier ones proved, and stop deriving anything new from them.
             part.lower_bound = max(part.lower_bound, self._in_sync_bound(req, part, session, now))
-        session.leases.discard(lease)
-        session.pending_claims.pop(lease, None)
+        beats.release(lease)
         return True
 
     def _abort_at(self, now: float, req: _Request, rank: int) -> None:
@@ -883,25 +892,23 @@ class Reader:
             return
         self._release(now, session, lease, req.request_id)
         if session.state is SessionState.OPEN:
-            session.pending_aborts[lease] = req.proof
+            session.beats.pending_aborts[lease] = req.proof
             self._beat(now, session)  # free the holder's memory now, not at the next tick
         elif session.state in (SessionState.CONNECTING, SessionState.HELLO_SENT):
             # Not welcomed yet: the first heartbeat after Welcome carries the abort,
             # so a request given up before the handshake does not strand its blocks
             # for a whole lease (vLLM #41269).
-            session.pending_aborts[lease] = req.proof
+            session.beats.pending_aborts[lease] = req.proof
 
     def _fail(self, now: float, req: _Request, reason: FailReason) -> None:
-        if req.failed or req.confirmed:
+        if req.confirmed or (req.parts and req.failed):
             return
-        req.failed = True
         self._deferred.discard(req.request_id)
         if reason in (FailReason.LEASE_LOST, FailReason.REVOKED):
             self.stats.lost += 1
         for rank, part in req.parts.items():
-            was_started = part.state in (ReadState.READING, ReadState.AWAITING_ACK)
-            if part.state is not ReadState.FINISHED:
-                part.state = read_next(part.state, ReadInput.FAIL)
+            was_started = part.state in _STARTED
+            part.state = read_next(part.state, ReadInput.FAIL)
             self._awaiting.discard((req.request_id, rank))
             if was_started or reason not in _HOLDER_ALREADY_ENDED:
                 self._abort_at(now, req, rank)
@@ -915,8 +922,7 @@ class Reader:
     def _held(self, req: _Request, part: _Part) -> None:
         part.state = read_next(part.state, ReadInput.ACK_HELD)
         self._awaiting.discard((req.request_id, part.rank))
-        if all(p.state is ReadState.CONFIRMED for p in req.parts.values()):
-            req.confirmed = True
+        if req.confirmed:
             self.stats.reads_confirmed += 1
             self._out.append(ReadConfirmed(request_id=req.request_id))
 
@@ -933,12 +939,10 @@ class Reader:
 
     def _break(self, now: float, session: _Session, reason: FailReason) -> None:
         session.state = session_next(session.state, SessionInput.LOST)
-        session.next_beat = math.inf
-        session.pending_claims.clear()
-        session.pending_aborts.clear()
-        session.inflight.clear()
+        self._schedule(session, math.inf)
+        session.beats.reset()
         session.up = session.down = session.prev_down = b""
-        for rid in {*session.leases.owners(), *session.parked}:
+        for rid in {*session.beats.leases.owners(), *session.parked}:
             req = self._requests.get(rid)
             if req is not None:
                 self._fail(now, req, reason)
@@ -948,14 +952,16 @@ class Reader:
             if rank == session.rank and req.ticket.holder_engine == session.engine:
                 self._fail(now, req, reason)
 
+    # ------------------------------------------------------------ bounds
+
     def _renewable(self, req: _Request, rank: int, now: float, margin: float) -> bool:
         """Whether one heartbeat could move this part's bound past the margin.
 
         True unless the lease is known to be ending whatever the reader sends: a
         ticket of another holder incarnation, a lease this session does not
         heartbeat, the holder's max_hold cap within the margin, or a lease that
-        already lapsed by the session's own record. (LATE, REFUSED, lost or
-        revoked leases have failed the request already.)
+        already lapsed by the session's own record (:func:`kvproto.bounds.lapsed`).
+        (LATE, REFUSED, lost or revoked leases have failed the request already.)
         """
         session = self._sessions[(req.ticket.holder_engine, rank)]
         params = session.params
@@ -963,53 +969,31 @@ class Reader:
             session.state is SessionState.OPEN
             and params is not None
             and session.incarnation == req.ticket.holder_incarnation
-            and session.leases.owner(req.ticket.lease) == req.request_id
+            and session.beats.leases.owner(req.ticket.lease) == req.request_id
             and margin < params.extension * (1 - self._drift)
-            and now + margin < self._hard_bound(req, session, now)
-            and not self._lapsed(req, session, params, now)
+            and now + margin < bounds.hard_bound(session.skew, req.ticket, params, now)
+            and not bounds.lapsed(
+                tracked_at=req.tracked_at,
+                ticket=req.ticket,
+                extension=params.extension,
+                beats=session.beats.inflight.values(),
+                drift=self._drift,
+                now=now,
+            )
         )
-
-    def _lapsed(self, req: _Request, session: _Session, params: LeaseParams, now: float) -> bool:
-        """The session's own record says the holder's deadline has passed.
-
-        An upper bound ``L``, the mirror of the lower one. The ticket was granted
-        before we tracked it: ``L = tracked_at + expires_in`` (plus drift). Then,
-        in send order, each heartbeat that left before ``L`` may have renewed the
-        lease: an acknowledged one arrived before its acknowledgement came back,
-        so ``L = max(L, acked_at + extension)``; an unanswered one may have
-        arrived any time, so nothing is known. A heartbeat that left at or after
-        ``L`` arrives after the lease ended, and ended leases are never revived
-        (S3) -- so the overdue heartbeat sent at the end of the long step does not
-        hide the lapse, and neither does its answer. (Frames of a session are
-        taken to arrive in order, so an acknowledgement also covers the unanswered
-        heartbeats sent before it.) Only this session is counted: if another rank
-        of this engine renewed the lease, the read is declined as before deferrals
-        existed -- an error here costs a recompute, never safety.
-        """
-        stretch = 1 + self._drift
-        lapse = req.tracked_at + req.ticket.expires_in * stretch
-        unknown = False
-        for beat in session.inflight.values():  # in send order
-            if beat.sent >= lapse:
-                break
-            if beat.acked_at is None:
-                unknown = True
-                continue
-            lapse = max(lapse, beat.acked_at + params.extension * stretch)
-            unknown = False
-        return not unknown and now >= lapse
 
     def _defer(self, now: float, req: _Request, close: list[int]) -> ReadDeferred:
         """Heartbeat the sessions of the ``close`` parts now; decide when they answer."""
         sent = 0
         for rank in close:
             session = self._sessions[(req.ticket.holder_engine, rank)]
-            if session.last_beat < now or session.acked_seq >= session.seq:
+            beats = session.beats
+            if beats.last_beat < now or beats.acked_seq >= beats.seq:
                 before = self.stats.heartbeats_sent
                 self._beat(now, session)  # the session's normal heartbeat, early
                 sent += self.stats.heartbeats_sent - before
             # The last frame of the beat states the whole set: its ack settles the part.
-            req.parts[rank].defer_seq = session.seq
+            req.parts[rank].defer_seq = beats.seq
         for part in req.parts.values():
             part.state = read_next(part.state, ReadInput.DEFER)
         req.defer_until = now + self.config.ack_timeout
@@ -1032,12 +1016,12 @@ class Reader:
             return
         self._beat(now, session)
         for part in waiting:
-            part.defer_seq = session.seq
+            part.defer_seq = session.beats.seq
 
     def _settled(self, req: _Request) -> bool:
         """Every heartbeat a deferred read waits for has been acknowledged."""
         return all(
-            part.defer_seq <= self._sessions[(req.ticket.holder_engine, rank)].acked_seq
+            part.defer_seq <= self._sessions[(req.ticket.holder_engine, rank)].beats.acked_seq
             for rank, part in req.parts.items()
         )
 
@@ -1046,56 +1030,31 @@ class Reader:
         part = req.parts[rank]
         if session.incarnation is not None and req.ticket.holder_incarnation != session.incarnation:
             return -math.inf  # a ticket of another holder process: nothing is known
-        bound = max(part.lower_bound, self._ticket_bound(req, session, now))
-        if session.leases.owner(req.ticket.lease) == req.request_id:
+        bound = max(part.lower_bound, bounds.ticket_bound(session.skew, req.ticket, now))
+        if session.beats.leases.owner(req.ticket.lease) == req.request_id:
             bound = max(bound, self._in_sync_bound(req, part, session, now))
         return bound
 
     def _in_sync_bound(self, req: _Request, part: _Part, session: _Session, now: float) -> float:
-        """What the last in-sync heartbeat proves about a lease this session holds."""
-        if part.claimed_seq > session.in_sync_seq or session.params is None:
-            return -math.inf
-        renewed = session.in_sync_since + session.params.extension * (1 - self._drift)
-        # The session renews the lease, but never past the holder's hard cap.
-        return min(renewed, self._hard_bound(req, session, now))
-
-    def _hard_bound(self, req: _Request, session: _Session, now: float) -> float:
-        """Earliest local time the holder's max_hold can end the lease (inf if unknown)."""
-        params = session.params
-        max_hold = params.max_hold if params is not None else None
-        if max_hold is None:
-            max_hold = req.ticket.params.max_hold
-        if max_hold is None or not session.skew.known:
-            return math.inf if max_hold is None else -math.inf
-        # The ticket was minted at deadline - expires_in (issuer's clock); the holder
-        # adopted it then or later, so its hard cap is at least that plus max_hold.
-        granted = req.ticket.deadline - req.ticket.expires_in
-        return session.skew.peer_deadline_to_local(granted + max_hold, now)
-
-    def _ticket_bound(self, req: _Request, session: _Session, now: float) -> float:
-        """The ticket's deadline in local time, conservatively; -inf without a clock sample."""
-        if not session.skew.known:
-            return -math.inf
-        return session.skew.peer_deadline_to_local(req.ticket.deadline, now)
-
-    def _read_margin(self, req: _Request) -> float:
-        """The configured margin, but never more than half the holder's extension.
-
-        A reader configured for 30 s leases would otherwise decline every read
-        from a holder that advertises 6 s leases (extension 4 s < margin 5 s).
-        """
-        return min(self.config.read_margin, req.ticket.params.extension / 2)
+        beats = session.beats
+        return bounds.in_sync_bound(
+            claimed_seq=part.claimed_seq,
+            in_sync_seq=beats.in_sync_seq,
+            in_sync_since=beats.in_sync_since,
+            params=session.params,
+            drift=self._drift,
+            skew=session.skew,
+            ticket=req.ticket,
+            now=now,
+        )
 
     def _interval(self, session: _Session) -> float:
         params = session.params
         if params is not None:
             return params.interval
-        for rid in session.leases.owners():
+        for rid in session.beats.leases.owners():
             return self._requests[rid].ticket.params.interval
         return self.config.heartbeat_interval
-
-    def _budget(self) -> int:
-        return self.config.frame_budget
 
     def _proof_of(self, request_id: str) -> bytes:
         return self._requests[request_id].proof
@@ -1106,16 +1065,18 @@ class Reader:
             raise LocalProtocolError(f"request {request_id!r} is not tracked")
         return req
 
-    def _pop(self, request_id: str) -> _Request:
-        req = self._get(request_id)
-        del self._requests[request_id]
-        key = (req.ticket.holder_engine, req.ticket.lease)
-        if self._by_lease.get(key) == request_id:  # lease ids repeat across incarnations
-            del self._by_lease[key]
+    def _result_of(self, request_id: str, rank: int) -> _Request | None:
+        """The request a transfer result is for; None (counted) if it is no longer tracked."""
+        req = self._requests.get(request_id)
+        if req is None:
+            self.stats.late_read_results += 1
+            return None
+        if rank not in req.parts:
+            raise LocalProtocolError(f"request {request_id!r} does not read from rank {rank}")
         return req
 
-    def _part(self, req: _Request, rank: int) -> _Part:
-        part = req.parts.get(rank)
-        if part is None:
-            raise LocalProtocolError(f"request {req.request_id!r} does not read from rank {rank}")
-        return part
+    def _pop(self, req: _Request) -> None:
+        del self._requests[req.request_id]
+        key = (req.ticket.holder_engine, req.ticket.lease)
+        if self._by_lease.get(key) == req.request_id:  # lease ids repeat across incarnations
+            del self._by_lease[key]

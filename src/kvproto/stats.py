@@ -112,6 +112,12 @@ class ReaderStats:
     """Frames not signed with the session's key, or a HELD without the lease's proof (dropped)."""
     resyncs: int = 0
     """Full lease lists sent on the holder's request."""
+    late_read_results: int = 0
+    """Read results for a request no longer tracked (finished while reading; ignored)."""
+    untracked_finishes: int = 0
+    """``finish`` of a request not tracked (finished twice, or never tracked; ignored)."""
+    stale_connects: int = 0
+    """``connected`` for a session that broke while connecting (ignored)."""
 
     def snapshot(self) -> dict[str, int]:
         """Counter name → value."""

@@ -180,7 +180,7 @@ def test_resync_with_new_claims_in_later_frames_loses_nothing() -> None:
         net.run_until(at)
         for i in range(base, base + count):
             net.track("D0", f"r{i}", net.grant("P0", f"p{i}"))
-    net.reader("D0")._sessions[("P", 0)].want_full = True  # as after any divergence
+    net.reader("D0")._sessions[("P", 0)].beats.want_full = True  # as after any divergence
     net.run_until(30.0)
     assert net.failures() == []
     assert net.holder("P0").live_leases() == 21

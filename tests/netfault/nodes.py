@@ -72,11 +72,11 @@ class NetLeaseNode(LeaseNode):
         sessions = {
             f"{s.engine}/{s.rank}": {
                 "state": s.state.name,
-                "leases": len(s.leases),
-                "inflight": len(s.inflight),
-                "pending_claims": len(s.pending_claims),
-                "seq": s.seq,
-                "acked_seq": s.acked_seq,
+                "leases": len(s.beats.leases),
+                "inflight": len(s.beats.inflight),
+                "pending_claims": len(s.beats.pending_claims),
+                "seq": s.beats.seq,
+                "acked_seq": s.beats.acked_seq,
             }
             for s in reader._sessions.values()
         }
