@@ -20,7 +20,7 @@ from kvproto_tools.bench.engine_suites import SuiteUnavailable, pd_cpu
 from kvproto_tools.bench.http_bench import HttpPlan, check, http_figures
 from kvproto_tools.bench.plan import QUICK
 from kvproto_tools.bench.step_bench import ANCHOR, Window, expected_step_names, step_figures
-from kvproto_tools.bench.step_timing import TOTALS, timed_connector_class
+from kvproto_tools.bench.step_timing import TOTALS, hook_names, timed_connector_class
 from kvproto_tools.bench.suite import expected_names
 
 FIGURE_KEYS = ["name", "size", "value", "unit", "anchor", "anchor_value", "ratio"]
@@ -32,11 +32,15 @@ class _Role:
 
 
 class _Connector:
-    """The shape of a vLLM connector the timer relies on: ``role.name`` and hook methods."""
+    """The shape of a vLLM connector the timer relies on: ``_role.name`` and hook methods."""
 
     def __init__(self, role: str) -> None:
-        self.role = _Role(role)
+        self.warm_up()  # before the role is stored (vLLM's base stores it first): not timed
+        self._role = _Role(role)
         self.log: list[str] = []
+
+    def warm_up(self) -> None:
+        pass
 
     def get_finished(self, ids: set[str]) -> set[str]:
         self.log.append("get_finished")
@@ -50,18 +54,32 @@ class _Connector:
         self.log.append("build_connector_meta")
         return "meta"
 
-    def not_a_hook(self) -> int:
+    def _helper(self) -> int:
         return 7
+
+    @classmethod
+    def build_stats(cls) -> str:
+        return cls.__name__
+
+    @staticmethod
+    def layout() -> str:
+        return "NHD"
 
 
 def test_timed_class_counts_each_outer_hook_call_once_per_side() -> None:
+    assert hook_names(_Connector) == [
+        "build_connector_meta",
+        "get_finished",
+        "get_transfer_results",
+        "warm_up",
+    ]
     timed = timed_connector_class(_Connector, "Timed")
     assert timed.__name__ == "Timed" and issubclass(timed, _Connector)
-    worker, scheduler = timed("WORKER"), timed("SCHEDULER")
     TOTALS.take()
+    worker, scheduler = timed("WORKER"), timed("SCHEDULER")
     assert worker.get_finished({"a"}) == {"a"}  # the real method still runs
     assert scheduler.build_connector_meta(None) == "meta"
-    assert worker.not_a_hook() == 7
+    assert worker._helper() == 7 and timed.build_stats() == "Timed" and timed.layout() == "NHD"
     ns, hooks = TOTALS.take()
     assert worker.log == ["get_finished", "get_transfer_results"]
     assert set(hooks) == {("worker", "get_finished"), ("scheduler", "build_connector_meta")}

@@ -16,44 +16,29 @@ instance adds its time.
 from __future__ import annotations
 
 import functools
+import inspect
 import time
+import types
 from collections.abc import Callable
 from typing import Any
 
 SIDES = ("scheduler", "worker")
 """The two halves vLLM builds a connector as (``KVConnectorRole``)."""
 
-HOOKS: tuple[str, ...] = (
-    # scheduler side (Scheduler.schedule / update_from_output / add_request)
-    "on_new_request",
-    "get_num_new_matched_tokens",
-    "update_state_after_alloc",
-    "build_connector_meta",
-    "update_connector_output",
-    "request_finished",
-    "request_finished_all_groups",
-    "has_pending_push_work",
-    "has_pending_block_frees",
-    "take_events",
-    "get_loaded_kv_cache_group_ids",
-    "get_external_cache_hit_sources",
-    # worker side (the model runner's KV-connector mixin and the attention layers)
-    "bind_connector_metadata",
-    "start_load_kv",
-    "wait_for_layer_load",
-    "save_kv_layer",
-    "wait_for_save",
-    "get_finished",
-    "get_transfer_results",
-    "get_block_ids_with_load_errors",
-    "get_kv_connector_kv_cache_events",
-    "build_connector_worker_meta",
-    "clear_connector_metadata",
-    # both sides
-    "get_kv_connector_stats",
-)
-"""Every per-step hook vLLM 0.32 calls on a connector (``__init__``, handshakes and
-``shutdown`` are not per step). Hooks a class lacks are skipped."""
+
+def hook_names(cls: type) -> list[str]:
+    """Every public instance method ``cls`` has or inherits: vLLM's hooks, whatever its version.
+
+    Class and static methods are left out (no instance, no role). Hooks that
+    run outside a step (``register_kv_caches``, handshakes) are timed too but
+    fall between samples, which the driver discards.
+    """
+    return sorted(
+        name
+        for name in dir(cls)
+        if not name.startswith("_")
+        and isinstance(inspect.getattr_static(cls, name), types.FunctionType)
+    )
 
 
 class StepTotals:
@@ -77,16 +62,21 @@ TOTALS = StepTotals()
 worker-side connector per engine, and the driver runs one engine per process."""
 
 
-def _side_of(connector: Any) -> str:
-    """``scheduler`` or ``worker``, from the role vLLM built the instance for."""
-    return "scheduler" if connector.role.name == "SCHEDULER" else "worker"
+def _side_of(connector: Any) -> str | None:
+    """``scheduler`` or ``worker``, from the role vLLM built the instance for; None
+    before the base class's ``__init__`` has stored it."""
+    role = connector.__dict__.get("_role")
+    if role is None:
+        return None
+    return "scheduler" if role.name == "SCHEDULER" else "worker"
 
 
 def _timed(hook: str, method: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(method)
     def wrapper(self: Any, /, *args: Any, **kwargs: Any) -> Any:
-        depth = self.__dict__.get("_bench_depth", 0)
-        if depth:  # a hook inside a hook: the outer call is already timing it
+        side = _side_of(self)
+        if side is None or self.__dict__.get("_bench_depth", 0):
+            # Not built yet, or a hook inside a hook (the outer call is timing it).
             return method(self, *args, **kwargs)
         self.__dict__["_bench_depth"] = 1
         start = time.perf_counter_ns()
@@ -95,7 +85,6 @@ def _timed(hook: str, method: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             elapsed = time.perf_counter_ns() - start
             self.__dict__["_bench_depth"] = 0
-            side = _side_of(self)
             TOTALS.ns[side] += elapsed
             calls, total = TOTALS.hooks.get((side, hook), (0, 0))
             TOTALS.hooks[(side, hook)] = (calls + 1, total + elapsed)
@@ -104,14 +93,12 @@ def _timed(hook: str, method: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def timed_connector_class(base: type, name: str) -> type:
-    """``base`` with every hook in :data:`HOOKS` it has timed; named ``name``.
+    """``base`` with every hook (:func:`hook_names`) timed; named ``name``.
 
     Built with ``type()`` so the base may be any connector class (vLLM's or
     ours), known only at run time.
     """
     namespace: dict[str, Any] = {"__module__": __name__, "__doc__": f"{base.__name__}, timed."}
-    for hook in HOOKS:
-        method = getattr(base, hook, None)
-        if callable(method):
-            namespace[hook] = _timed(hook, method)
+    for hook in hook_names(base):
+        namespace[hook] = _timed(hook, getattr(base, hook))
     return type(name, (base,), namespace)
