@@ -236,13 +236,12 @@ class Endpoint:
         if entry is None or self.reader is None:
             return
         request_id, rank = entry
-        try:
-            if ok:
-                self.reader.read_completed(now, request_id, rank)
-            else:
-                self.reader.read_failed(now, request_id, rank)
-        except LocalProtocolError:
-            pass  # the request was finished (aborted) while its read was in flight
+        # A request finished (aborted) while its read was in flight is the reader's
+        # counted no-op (stats.late_read_results), not an error.
+        if ok:
+            self.reader.read_completed(now, request_id, rank)
+        else:
+            self.reader.read_failed(now, request_id, rank)
 
     def _flush(self, now: float) -> None:
         """Carry out every output until the cores are quiet (a lost peer may produce more)."""

@@ -20,7 +20,6 @@ plumbs and keeps vLLM's reporting rules:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -29,7 +28,6 @@ from typing import cast
 from kvproto.errors import LocalProtocolError
 from kvproto.events import ReadDeclined, ReadDeferred, RequestFailed
 from kvproto.reader import Reader
-from kvproto.tpmath import target_remote_ranks
 from kvproto.transport import TransportError
 from kvproto_binding.endpoint import Endpoint, StepResult
 from kvproto_binding.sidechannel import (
@@ -86,7 +84,6 @@ class ReaderSide:
         self.counters = ReaderCounters()
         self._record = record
         self._holders: dict[str, tuple[str, int]] = {}
-        self._holder_tp: dict[str, int] = {}
         self._reads: dict[str, _Read] = {}
         self._verdicts: dict[str, str | None] = {}
         self._recving: set[str] = set()
@@ -101,14 +98,14 @@ class ReaderSide:
         """This step's orders from the scheduler, in their causal order."""
         for track in tracks:
             self._holders[track.ticket.holder_engine] = (track.host, track.port)
-            try:
-                self.reader.track(now, request_id=track.request_id, ticket=track.ticket)
-            except LocalProtocolError as exc:
+            if self.reader.is_tracked(track.request_id):
+                # Our scheduler half sent one request's Track twice: a bug, counted and
+                # logged; the first tracking stands.
                 self.counters.track_errors += 1
-                log.error("request %s not tracked: %s", track.request_id, exc)
+                log.error("request %s not tracked: it is tracked already", track.request_id)
                 self._verdicts[track.request_id] = "track-refused"
                 continue
-            self._holder_tp[track.request_id] = track.ticket.holder_tp_size
+            self.reader.track(now, request_id=track.request_id, ticket=track.ticket)
             self._record("tracked", track.request_id, f"lease {track.ticket.lease}")
         for recv in recvs:
             rid = recv.request_id
@@ -139,10 +136,8 @@ class ReaderSide:
             self._record("aborted", rid, "before read")
 
     def _reader_finish(self, now: float, rid: str) -> None:
-        self._holder_tp.pop(rid, None)
-        # Not tracked (bad ticket) or already finished: nothing to stop.
-        with contextlib.suppress(LocalProtocolError):
-            self.reader.finish(now, rid)
+        # Not tracked or already finished: the reader counts it (stats.untracked_finishes).
+        self.reader.finish(now, rid)
 
     # ------------------------------------------------------------ the loop
 
@@ -157,7 +152,7 @@ class ReaderSide:
                     )
                     self._record("connected", engine, f"rank {rank}, {res.attempts} attempt(s)")
                     continue
-                except (TransportError, LocalProtocolError) as exc:
+                except TransportError as exc:
                     log.error("holder %s rank %d: unusable metadata: %s", engine, rank, exc)
             else:
                 self._handshake_failed(res)
@@ -224,12 +219,11 @@ class ReaderSide:
         for rid, read in list(self._reads.items()):
             if read.started:
                 continue
-            try:
-                if not self.reader.ready_to_read(rid):
-                    continue
-            except LocalProtocolError:
+            if not self.reader.is_tracked(rid):
                 read.started = True
                 self._resolve(now, rid, failure="not-tracked")
+                continue
+            if not self.reader.ready_to_read(rid):
                 continue
             read.started = True
             try:
@@ -262,25 +256,12 @@ class ReaderSide:
         return started
 
     def _fail_parts(self, now: float, rid: str) -> None:
-        ranks: list[int] = []
-        try:
-            ticket_tp = self._ticket_tp(rid)
-            ranks = target_remote_ranks(self.reader.rank, self.reader.tp_size, ticket_tp)
-        except LocalProtocolError:
-            pass
+        # Every holder rank the request reads from; none once the reader stopped tracking it.
+        ranks = list(self.reader.state(rid)) if self.reader.is_tracked(rid) else []
         for rank in ranks:
-            try:
-                self.reader.read_failed(now, rid, rank)
-            except LocalProtocolError:
-                continue
+            self.reader.read_failed(now, rid, rank)
         if not ranks:
             self._resolve(now, rid, failure="read-failed")
-
-    def _ticket_tp(self, rid: str) -> int:
-        tp = self._holder_tp.get(rid)
-        if tp is None:
-            raise LocalProtocolError(f"request {rid!r} is not tracked")
-        return tp
 
     def _resolve(self, now: float, rid: str, *, failure: str | None) -> None:
         read = self._reads.pop(rid, None)
