@@ -564,6 +564,8 @@ class NixlTransport:
             self._events.append(ReadFailed(read_id=read_id, reason=failed))
 
     def _check_reads(self) -> None:
+        if not self._reads:  # every poll and progress: no copy of an empty table
+            return
         for read_id, read in list(self._reads.items()):
             if read_id not in self._reads:  # failed by a _lose earlier in this loop
                 continue

@@ -287,11 +287,14 @@ class UcxTransport:
             self._check(failed_ok=True)
         events = self._shared.events
         out: list[TransportEvent] = []
-        while True:
-            try:
+        # Test before popping instead of ending on an IndexError raised by every poll;
+        # the except stays for a close() on another thread clearing the deque meanwhile.
+        try:
+            while events:
                 out.append(events.popleft())
-            except IndexError:
-                return out
+        except IndexError:
+            pass
+        return out
 
     def set_wakeup(self, callback: Callable[[], None] | None) -> None:
         """Have ``callback`` called whenever events wait for :meth:`poll`; None removes it.
