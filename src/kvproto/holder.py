@@ -93,11 +93,6 @@ class _Lease:
         # session itself (a set of one costs ~220 B and a GC-tracked object per lease).
         self.sessions: _Session | set[_Session] | None = None
 
-    @property
-    def ended(self) -> bool:
-        """The blocks were freed (derived from the state, never stored twice)."""
-        return self.state.terminal
-
     def holders(self) -> tuple[_Session, ...]:
         """The sessions renewing the lease (a copy: detaching while iterating is fine)."""
         held = self.sessions
@@ -363,7 +358,7 @@ class Holder:
         while self._lease_heap and self._lease_heap[0][0] <= now:
             due, lease_id = heapq.heappop(self._lease_heap)
             lease = self._leases.get(lease_id)
-            if lease is None or lease.heap_due != due or lease.ended:
+            if lease is None or lease.heap_due != due or lease.state.terminal:
                 continue
             lease.heap_due = None
             if now >= lease.hard_deadline:
@@ -402,14 +397,14 @@ class Holder:
         on any input): they ask here instead of catching :meth:`deadline`'s error.
         """
         lease = self._leases.get(lease_id)
-        if lease is None or lease.ended:
+        if lease is None or lease.state.terminal:
             return None
         return min(self._live_until(lease), lease.hard_deadline)
 
     def is_live(self, lease_id: int) -> bool:
         """True while the lease's blocks are held (granted or held, not ended)."""
         lease = self._leases.get(lease_id)
-        return lease is not None and not lease.ended
+        return lease is not None and not lease.state.terminal
 
     def live_leases(self) -> int:
         """Leases whose blocks are still held."""
@@ -449,7 +444,7 @@ class Holder:
         """
         anchor = hello.anchor
         lease = None if anchor is None else self._leases.get(anchor.lease)
-        if anchor is None or lease is None or lease.ended:
+        if anchor is None or lease is None or lease.state.terminal:
             return None
         if (
             old is not None
@@ -641,7 +636,7 @@ class Holder:
 
     def _claim(self, now: float, session: _Session, claim: wire.Claim) -> _Lease | None:
         lease = self._check_claim(session, claim)
-        if lease is None or lease.ended:
+        if lease is None or lease.state.terminal:
             return None
         if lease.lease in session.leases:
             return lease
@@ -665,7 +660,7 @@ class Holder:
         if not hmac.compare_digest(proof, claim.proof):
             self.stats.bad_proof += 1
             return None
-        if lease.owner is None and not lease.ended:
+        if lease.owner is None and not lease.state.terminal:
             lease.owner = session.engine
             lease.proof = proof
             lease.expected = session.expected
@@ -677,7 +672,7 @@ class Holder:
         lease = self._check_claim(session, claim)
         if lease is None:
             return
-        if lease.ended:
+        if lease.state.terminal:
             lease_next(lease.state, LeaseInput.ABORT)  # an explicit "late" row: stays ended
             return
         self._end(now, lease, LeaseInput.ABORT, ReleaseReason.ABORTED)
@@ -691,7 +686,7 @@ class Holder:
             lease = self._leases.get(lease_id)
             if (
                 lease is None
-                or lease.ended
+                or lease.state.terminal
                 or lease.owner != session.engine
                 or len(session.leases) >= self.config.max_leases_per_session
             ):
@@ -731,7 +726,7 @@ class Holder:
             # first (a replayed Hello without auth_secret), the real reader's done after
             # the free is answered LATE, so its read is fenced instead of trusted.
             return LeaseInput.DUPLICATE_DONE
-        if lease.ended:
+        if lease.state.terminal:
             return LeaseInput.DONE
         counted = 0 if consumers is None else len(consumers)
         if consumers is None or session.rank not in consumers:
@@ -792,7 +787,7 @@ class Holder:
             if lease.owner is not None and lease.owner != owner:
                 self.stats.owner_mismatch += 1
                 continue
-            if lease.ended:
+            if lease.state.terminal:
                 if isinstance(frame, legacy.LegacyDone):
                     self.stats.late_done += 1
                 continue
@@ -862,7 +857,7 @@ class Holder:
             if len(held) == 1:
                 (lease.sessions,) = held
         session.leases.discard(lease.lease)
-        if fall_back and not lease.ended:
+        if fall_back and not lease.state.terminal:
             lease.own_deadline = max(lease.own_deadline, session.deadline)
             if lease.sessions is None:
                 self._schedule_lease(lease)

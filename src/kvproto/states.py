@@ -73,18 +73,20 @@ class LeaseState(enum.Enum):
     REVOKED = "revoked"
     """Revoked locally, or every reader peer was lost (terminal)."""
 
+    terminal: bool
+    """The blocks were freed; nothing revives the lease. A plain attribute, set once
+    below: the holder asks it on every claim and done."""
+
     # Identity hash, in C: Enum's own hashes the member's name in Python, and
     # every lease transition looks up a (state, input) pair (the claim hot path).
     __hash__ = object.__hash__
 
-    @property
-    def terminal(self) -> bool:
-        """The blocks were freed; nothing revives the lease."""
-        return self is not LeaseState.GRANTED and self is not LeaseState.HELD
-
 
 _LIVE = (LeaseState.GRANTED, LeaseState.HELD)
 _TERMINAL = (LeaseState.RELEASED, LeaseState.EXPIRED, LeaseState.ABORTED, LeaseState.REVOKED)
+for _state in LeaseState:
+    _state.terminal = _state in _TERMINAL
+del _state
 
 
 class LeaseInput(enum.Enum):
@@ -269,6 +271,8 @@ class ReadState(enum.Enum):
     FINISHED = "finished"
     """The request left the reader before any read (abort); lease aborted (terminal)."""
 
+    __hash__ = object.__hash__  # identity hash in C (see LeaseState)
+
 
 class ReadInput(enum.Enum):
     """Everything that can happen to a request on the reader."""
@@ -287,6 +291,8 @@ class ReadInput(enum.Enum):
     """Lost, revoked, refused, late, no ack, declined or transfer failure."""
     FINISH = "finish"
     """The request finished or was aborted in the reader's scheduler."""
+
+    __hash__ = object.__hash__  # identity hash in C (see LeaseState)
 
 
 _R = ReadState
@@ -367,6 +373,8 @@ class SessionState(enum.Enum):
     BROKEN = "broken"
     """Peer lost or connect failed; its requests were failed."""
 
+    __hash__ = object.__hash__  # identity hash in C (see LeaseState)
+
 
 class SessionInput(enum.Enum):
     """Everything that can happen to a reader session."""
@@ -381,6 +389,8 @@ class SessionInput(enum.Enum):
     """The holder no longer knows the session (answer: Hello again)."""
     LOST = "lost"
     """The transport lost the peer, or connecting failed."""
+
+    __hash__ = object.__hash__  # identity hash in C (see LeaseState)
 
 
 _S = SessionState
