@@ -52,6 +52,8 @@ spec/state-tables.md and its diagrams are generated from these tables by
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
+from typing import TypeVar
 
 from kvproto.errors import LocalProtocolError
 from kvproto.wire import DoneVerdict
@@ -172,24 +174,34 @@ DONE_VERDICTS: dict[tuple[LeaseState, LeaseInput], DoneVerdict] = {
 DoneAck verdict); the state it moves to is in :data:`LEASE_TRANSITIONS`."""
 
 
-def lease_next(state: LeaseState, event: LeaseInput) -> LeaseState:
-    """Look the transition up; a missing pair is a LocalProtocolError."""
+_RowState = TypeVar("_RowState", bound=enum.Enum)
+_RowInput = TypeVar("_RowInput", bound=enum.Enum)
+_RowValue = TypeVar("_RowValue")
+
+
+def _row(
+    table: Mapping[tuple[_RowState, _RowInput], _RowValue],
+    state: _RowState,
+    event: _RowInput,
+    what: str,
+) -> _RowValue:
+    """``table``'s row for the pair; a missing pair is a LocalProtocolError."""
     try:
-        return LEASE_TRANSITIONS[(state, event)]
+        return table[(state, event)]
     except KeyError:
         raise LocalProtocolError(
-            f"lease in state {state.value} cannot take {event.value}"
+            f"{what} in state {state.value} cannot take {event.value}"
         ) from None
+
+
+def lease_next(state: LeaseState, event: LeaseInput) -> LeaseState:
+    """Look the transition up; a missing pair is a LocalProtocolError."""
+    return _row(LEASE_TRANSITIONS, state, event, "lease")
 
 
 def done_verdict(state: LeaseState, event: LeaseInput) -> DoneVerdict:
     """The verdict a done input earns in ``state``; a missing pair is a LocalProtocolError."""
-    try:
-        return DONE_VERDICTS[(state, event)]
-    except KeyError:
-        raise LocalProtocolError(
-            f"lease in state {state.value} has no verdict for {event.value}"
-        ) from None
+    return _row(DONE_VERDICTS, state, event, "lease verdict")
 
 
 class PeerSessionState(enum.Enum):
@@ -241,12 +253,7 @@ FIRST Hello, so RESTARTED ends the old one and the Hello is then a FIRST."""
 
 def peer_session_next(state: PeerSessionState, event: PeerSessionInput) -> PeerSessionState:
     """Look the transition up; a missing pair is a LocalProtocolError."""
-    try:
-        return PEER_SESSION_TRANSITIONS[(state, event)]
-    except KeyError:
-        raise LocalProtocolError(
-            f"peer session in state {state.value} cannot take {event.value}"
-        ) from None
+    return _row(PEER_SESSION_TRANSITIONS, state, event, "peer session")
 
 
 class ReadState(enum.Enum):
