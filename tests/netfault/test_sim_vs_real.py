@@ -19,6 +19,7 @@ import pytest
 
 from kvproto.config import LeaseConfig
 from kvproto_tools.sim import engine, flows
+from kvproto_tools.sim.context import Context
 from kvproto_tools.sim.model import Hold
 from kvproto_tools.sim.policies import MAX_NOTIFICATION, Policy
 from kvproto_tools.sim.scenarios import QueueWait, Scenario
@@ -69,10 +70,10 @@ def test_simulated_partition_reclaims_where_the_rule_says(
     ends: list[_End] = []
     real_end_hold = flows.end_hold
 
-    def recording_end_hold(sim: engine.Simulator, hold: Hold, *, lost: bool) -> None:
+    def recording_end_hold(ctx: Context, hold: Hold, *, lost: bool) -> None:
         reader = hold.req.reader.name if hold.req is not None and hold.req.reader else ""
-        ends.append(_End(hold.engine.name, hold.granted_at, sim.t, hold.end_reason, reader))
-        real_end_hold(sim, hold, lost=lost)
+        ends.append(_End(hold.engine.name, hold.granted_at, ctx.clock.t, hold.end_reason, reader))
+        real_end_hold(ctx, hold, lost=lost)
 
     monkeypatch.setattr(flows, "end_hold", recording_end_hold)
     result = engine.Simulator(scenario, _policy(cfg), seed=0, liveness=True).run()
