@@ -202,19 +202,18 @@ def _run_connector(
                 out[(connector, role, n)] = Window(samples=got["samples"], requests=count)
                 say(
                     f"vllm-step: {connector:>7} {role:>7} N={n:<5,} {len(got['samples']):>4} "
-                    f"steps, {state}; per step: {_top_hooks(got['hooks'], got['samples'])}"
+                    f"steps, {state}; median per step: {_top_hooks(got['hook_median_ns'])}"
                 )
     finally:
+        d.stop()  # the reader first: its heartbeats would only fail against a stopped P
         p.stop()
-        d.stop()
     return out
 
 
-def _top_hooks(hooks: Mapping[str, tuple[int, int]], samples: Sequence[Sample]) -> str:
-    """The hooks that took most of the window, as mean microseconds per step."""
-    steps = max(1, len(samples))
-    top = sorted(hooks.items(), key=lambda kv: -kv[1][1])[:4]
-    return ", ".join(f"{name} {ns / steps / 1e3:.1f} us" for name, (_, ns) in top)
+def _top_hooks(median_ns: Mapping[str, float]) -> str:
+    """The four hooks with the largest median time per step, in microseconds."""
+    top = sorted(median_ns.items(), key=lambda kv: -kv[1])[:4]
+    return ", ".join(f"{name} {ns / 1e3:.1f} us" for name, ns in top)
 
 
 def measure(plan: StepPlan, say: Say) -> list[Figure]:

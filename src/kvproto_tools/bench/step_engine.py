@@ -25,6 +25,7 @@ import contextlib
 import importlib
 import multiprocessing as mp
 import os
+import statistics
 import time
 import traceback
 from collections import deque
@@ -86,8 +87,8 @@ class _Engine:
         self.scheduler = self.engine.engine_core.engine_core.scheduler
         self.max_model_len = args.max_model_len
         self.samples: deque[Sample] = deque(maxlen=MAX_SAMPLES)
-        self.hooks: dict[str, tuple[int, int]] = {}
-        """"side.hook" -> (calls, ns) since the last take."""
+        self.hook_ns: dict[str, list[int]] = {}
+        """"side.hook" -> its ns in each step since the last take that called it."""
         self.finished: dict[str, Any] = {}
         self.background = 0
         self._add_background()
@@ -114,10 +115,8 @@ class _Engine:
         elapsed = time.perf_counter_ns() - start
         ns, hooks = self.totals.take()
         self.samples.append((ns["scheduler"], ns["worker"], elapsed))
-        for (side, hook), (calls, hook_ns) in hooks.items():
-            key = f"{side}.{hook}"
-            had_calls, had_ns = self.hooks.get(key, (0, 0))
-            self.hooks[key] = (had_calls + calls, had_ns + hook_ns)
+        for (side, hook), (_, hook_ns) in hooks.items():
+            self.hook_ns.setdefault(f"{side}.{hook}", []).append(hook_ns)
         for out in outputs:
             if not out.finished:
                 continue
@@ -146,11 +145,16 @@ class _Engine:
             self.engine.add_request(rid, prompt, self._params(16, kv), priority=1)
 
     def cmd_take(self) -> dict[str, Any]:
-        """The samples and per-hook (calls, ns) since the last take; both reset."""
-        samples, hooks = list(self.samples), self.hooks
+        """The samples since the last take, and each hook's median ns per step (0 in a
+        step that did not call it): where the connector's time goes. Both reset."""
+        samples, steps = list(self.samples), len(self.samples)
+        hooks = {
+            key: statistics.median([*ns, *[0] * (steps - len(ns))]) if steps else 0.0
+            for key, ns in self.hook_ns.items()
+        }
         self.samples.clear()
-        self.hooks = {}
-        return {"samples": samples, "hooks": hooks}
+        self.hook_ns = {}
+        return {"samples": samples, "hook_median_ns": hooks}
 
     def cmd_state(self) -> dict[str, int]:
         """Requests running, queued, and finished but held for a reader (P's leases)."""
