@@ -196,7 +196,8 @@ def _row(
 
 def lease_next(state: LeaseState, event: LeaseInput) -> LeaseState:
     """Look the transition up; a missing pair is a LocalProtocolError."""
-    return _row(LEASE_TRANSITIONS, state, event, "lease")
+    new = LEASE_TRANSITIONS.get((state, event))  # inline: once per claim, done and end
+    return _row(LEASE_TRANSITIONS, state, event, "lease") if new is None else new
 
 
 def done_verdict(state: LeaseState, event: LeaseInput) -> DoneVerdict:
