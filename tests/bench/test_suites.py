@@ -194,3 +194,11 @@ def test_an_unknown_suite_is_refused_before_anything_runs(
     assert (
         "--suite: choose from core, memory, transport, vllm-step, http" in capsys.readouterr().err
     )
+
+
+def test_a_plot_without_the_core_suite_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--suite", "memory", "--plot", str(tmp_path / "s.png")]) == 2
+    assert "--suite core" in capsys.readouterr().err
+    assert not (tmp_path / "s.png").exists()

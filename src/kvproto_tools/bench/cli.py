@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvproto bench",
         description=(
             "Measure kvproto beside the restated vLLM 0.32.0 lease path (and beside raw "
-            "transports) in one process; print figures, anchors and ratios."
+            "transports) in one process, or (--suite vllm-step, http) beside stock "
+            "NixlConnector in real vLLM engines; print figures, anchors and ratios."
         ),
     )
     parser.add_argument("--json", type=Path, metavar="FILE", help="write the figures as JSON")
@@ -55,9 +56,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     http = parser.add_argument_group("http suite")
     default = http_bench.HttpPlan()
-    http.add_argument("--requests", type=int, default=default.requests)
-    http.add_argument("--concurrency", type=int, default=default.concurrency)
-    http.add_argument("--rounds", type=int, default=default.rounds)
+    http.add_argument(
+        "--requests", type=int, default=default.requests, help="per variant and round (%(default)s)"
+    )
+    http.add_argument(
+        "--concurrency", type=int, default=default.concurrency, help="in flight (%(default)s)"
+    )
+    http.add_argument(
+        "--rounds", type=int, default=default.rounds, help="deployments per variant (%(default)s)"
+    )
     http.add_argument(
         "--variants",
         default=",".join(http_bench.VARIANTS),
@@ -90,8 +97,10 @@ def _http_plan(args: argparse.Namespace, quick: bool) -> http_bench.HttpPlan:
     )
 
 
-def _check_suites(suites: list[str], http_plan: http_bench.HttpPlan) -> str | None:
+def _check_suites(suites: list[str], http_plan: http_bench.HttpPlan, *, plot: bool) -> str | None:
     """Why the chosen suites cannot run here, before anything is measured; or None."""
+    if plot and "core" not in suites:
+        return "--plot draws the scaling curve, which the core suite measures (--suite core)"
     if "http" in suites and (problem := http_bench.check(http_plan)) is not None:
         return problem
     for name in (s for s in suites if s in ENGINE_SUITES):
@@ -114,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvproto bench: {exc}", file=sys.stderr)
         return 2
     http_plan = _http_plan(args, args.quick)
-    problem = _check_suites(suites, http_plan)
+    problem = _check_suites(suites, http_plan, plot=args.plot is not None)
     if problem is not None:
         print(f"kvproto bench: {problem}", file=sys.stderr)
         return 2

@@ -63,7 +63,8 @@ def check(plan: HttpPlan) -> str | None:
     """Why ``plan`` cannot run (a message for the user), or None."""
     unknown = [v for v in plan.variants if v not in VARIANTS]
     if unknown or "kvproto" not in plan.variants:
-        return f"--variants: kvproto and any of {', '.join(VARIANTS)} (got {unknown or 'none'})"
+        got = ", ".join(plan.variants) or "none"
+        return f"--variants: kvproto and any of {', '.join(VARIANTS)} (got {got})"
     if plan.requests < 1 or plan.rounds < 1 or plan.concurrency < 1:
         return "--requests, --rounds and --concurrency must be >= 1"
     return None
