@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from kvproto.config import LeaseConfig
-from kvproto.errors import LocalProtocolError, RemoteProtocolError
+from kvproto.errors import RemoteProtocolError
 from kvproto.events import ReadDeclined, ReadDeferred
 from kvproto.holder import Holder
 from kvproto.reader import Reader
@@ -348,10 +348,7 @@ class KvprotoSide(Side):
     def finish(self, now: float, req: ReadJob) -> None:
         self._reading.pop(req.key, None)
         for rank, reader in enumerate(self.readers):
-            try:
-                reader.finish(now, req.key)
-            except LocalProtocolError:
-                continue  # this rank already dropped it
+            reader.finish(now, req.key)  # a rank that dropped it already counts a no-op
             self._absorb(rank, self.bindings[rank].step(now))
 
     def connected(
@@ -359,19 +356,14 @@ class KvprotoSide(Side):
     ) -> None:
         binding = self.bindings[ask.rank]
         for holder_rank, meta in metadata.items():
-            try:
-                binding.connected(now, engine=ask.engine_id, rank=holder_rank, metadata=meta)
-            except LocalProtocolError:
-                continue  # the session broke while connecting; the reader moved on
+            # A session that broke while connecting stays broken (the reader counts it).
+            binding.connected(now, engine=ask.engine_id, rank=holder_rank, metadata=meta)
         self._absorb(ask.rank, binding.step(now))
 
     def connect_failed(self, now: float, ask: HandshakeAsk) -> None:
         binding = self.bindings[ask.rank]
         for holder_rank in ask.holder_ranks:
-            try:
-                binding.connect_failed(now, engine=ask.engine_id, rank=holder_rank)
-            except LocalProtocolError:
-                continue
+            binding.connect_failed(now, engine=ask.engine_id, rank=holder_rank)
         self._absorb(ask.rank, binding.step(now))
 
     def next_timer(self) -> float | None:
@@ -383,18 +375,11 @@ class KvprotoSide(Side):
 
     def holder_deadline(self, rank: int, key: str) -> float | None:
         lease = self._lease_of.get(key)
-        if lease is None:
-            return None
-        try:
-            return self.holders[rank].deadline(lease)
-        except LocalProtocolError:
-            return None
+        return None if lease is None else self.holders[rank].live_deadline(lease)
 
     def reader_bound(self, now: float, rank: int, key: str) -> float | None:
-        try:
-            return self.readers[rank].deadline_bound(now, key)
-        except LocalProtocolError:
-            return None
+        reader = self.readers[rank]
+        return reader.deadline_bound(now, key) if reader.is_tracked(key) else None
 
 
 # --------------------------------------------------------------------------- vLLM
