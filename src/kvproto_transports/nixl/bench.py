@@ -12,6 +12,17 @@ iteration by iteration (so machine noise hits both alike):
 Both sides are polled from this one thread, as a binding would poll its
 endpoint each tick; without NIXL's progress thread (the default here) a READ
 over UCX's TCP transport moves only while the holder polls too.
+
+What the raw floor leaves out, that a request through the transport must do
+(so the ratio can never reach 1): the READ's descriptor indices are built
+once, outside the timed loop, where every request has its own block ids
+(``NixlTransport`` builds them per request: ~15 us of its Python cost, see
+``descriptor_ids.py``); the raw loop never drains the reader's own
+notifications, which every ``poll`` must (one more ``get_new_notifs`` per
+poll); and without a progress thread a transport ``send`` also progresses
+the sender once so the message leaves before the next poll (one more
+``get_new_notifs`` per notification). Completion is checked alike: both
+wait for ``DONE`` and release the handle.
 """
 
 from __future__ import annotations

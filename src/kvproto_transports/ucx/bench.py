@@ -15,6 +15,17 @@ and UCP ``get`` through :mod:`._ucp`, progressed by busy polling.
 thread, polled from this thread as a binding would. Both run over TCP on
 localhost (the transport's default); variants alternate iteration by
 iteration so that machine noise hits both alike.
+
+The two variants do not do the same work, in both directions: the raw read
+plans its segments (:func:`.plan.plan_read`) once, outside the timed region,
+where the transport plans every request in ``read_blocks`` (~20 us for this
+read); the raw floor busy-polls both workers on the caller's thread, where
+the transport hands every send and every arrival between the caller's
+thread and its engine thread, which sleeps in epoll when idle (three thread
+hand-offs each way of a round trip: caller to engine, engine to the peer's
+engine, engine to the peer's caller; each a wakeup, the floor that keeps
+``notif_rtt`` near 0.3 of raw); the raw read's time includes the holder
+receiving the done notification, the transport's stops at ``ReadCompleted``.
 """
 
 from __future__ import annotations
