@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from kvproto_tools.bench import http_bench, machine, scaling, step_bench, suite, table
 from kvproto_tools.bench.engine_suites import SuiteUnavailable, pd_cpu
@@ -149,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.monotonic()
 
     def say(line: str) -> None:
-        console.print(f"[dim]{line}[/]")
+        console.print(f"[dim]{escape(line)}[/]")  # log lines may hold brackets: cores "[0-1]"
 
     figures: list[Figure] = []
     in_process = [s for s in suites if s in suite.CORE_SUITES]
