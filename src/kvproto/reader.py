@@ -88,8 +88,33 @@ SessionKey = tuple[str, int]
 _HOLDER_ALREADY_ENDED = frozenset(
     {FailReason.LEASE_LOST, FailReason.REVOKED, FailReason.HOLDER_RESTARTED}
 )
-_STARTED = frozenset({ReadState.READING, ReadState.AWAITING_ACK})
+# Enum members as module constants: CPython 3.11 resolves ``State.MEMBER`` through
+# a descriptor, ~10x a global's cost, and these are read on every track, tick and ack.
+_AWAITING_ACK = ReadState.AWAITING_ACK
+_CONFIRMED = ReadState.CONFIRMED
+_FAILED = ReadState.FAILED
+_BROKEN = SessionState.BROKEN
+_CONNECTING = SessionState.CONNECTING
+_FINISHED = ReadState.FINISHED
+_HELLO_SENT = SessionState.HELLO_SENT
+_IDLE = SessionState.IDLE
+_ON_ACK_HELD = ReadInput.ACK_HELD
+_ON_BEGIN_READ = ReadInput.BEGIN_READ
+_ON_CLAIM_ACKED = ReadInput.CLAIM_ACKED
+_ON_CONNECTED = SessionInput.CONNECTED
+_ON_DEFER = ReadInput.DEFER
+_ON_FAIL = ReadInput.FAIL
+_ON_FINISH = ReadInput.FINISH
+_ON_LOST = SessionInput.LOST
+_ON_NEED = SessionInput.NEED
+_ON_READ_DONE = ReadInput.READ_DONE
+_ON_REJECTED = SessionInput.REJECTED
+_ON_WELCOME = SessionInput.WELCOME
+_OPEN = SessionState.OPEN
+_READING = ReadState.READING
+_STARTED = frozenset({_READING, _AWAITING_ACK})
 _STALE_KEEP = 16
+_TARGETS_KEEP = 64
 
 
 @dataclass(slots=True)
@@ -122,12 +147,12 @@ class _Request:
     @property
     def failed(self) -> bool:
         """The request failed (a request with no holder rank failed at track)."""
-        return not self.parts or any(p.state is ReadState.FAILED for p in self.parts.values())
+        return not self.parts or any(p.state is _FAILED for p in self.parts.values())
 
     @property
     def confirmed(self) -> bool:
         """Every holder rank confirmed the read."""
-        return bool(self.parts) and all(p.state is ReadState.CONFIRMED for p in self.parts.values())
+        return bool(self.parts) and all(p.state is _CONFIRMED for p in self.parts.values())
 
 
 @dataclass(slots=True, eq=False)
@@ -213,16 +238,23 @@ class Reader:
         if request_id in self._requests:
             raise LocalProtocolError(f"request {request_id!r} is already tracked")
         self.stats.tracked += 1
-        targets = self._targets_of(ticket) if ticket_problem(ticket) is None else ()
+        targets: tuple[int, ...] = ()
+        if ticket_problem(ticket) is None:  # first: it bounds holder_tp_size
+            targets = self._targets.get(ticket.holder_tp_size) or self._targets_of(
+                ticket.holder_tp_size
+            )
         proof = claim_proof(ticket.token, self.engine, ticket.lease) if targets else b""
-        req = _Request(request_id, ticket, proof, now, {r: _Part(rank=r) for r in targets})
+        parts = dict(zip(targets, map(_Part, targets), strict=True))
+        req = _Request(request_id, ticket, proof, now, parts)
         self._requests[request_id] = req
         if not targets:
             self._fail(now, req, FailReason.BAD_TICKET)
             return
+        sessions = []
         restarted = []
         for rank in targets:
             session = self._session(ticket.holder_engine, rank)
+            sessions.append(session)
             if session.incarnation is not None and session.incarnation != ticket.holder_incarnation:
                 if ticket.holder_incarnation in session.stale_incarnations:
                     self._fail(now, req, FailReason.HOLDER_RESTARTED)
@@ -236,15 +268,14 @@ class Reader:
                 return
         for session in restarted:
             session.parked.append(request_id)
-            if session.state is SessionState.OPEN:
+            if session.state is _OPEN:
                 self._rehello(now, session)
-        for rank in targets:
-            session = self._session(ticket.holder_engine, rank)
+        for session in sessions:
             self._need(session)
-            if session in restarted:
+            if restarted and session in restarted:
                 continue
             self._attach(session, req)
-            if session.state is SessionState.OPEN:
+            if session.state is _OPEN:
                 # The claim leaves at the binding's next pump, not at the next tick:
                 # until the holder has it the lease is not tied to this reader, so the
                 # reader's death would free it only by expiry. Tracks of one engine
@@ -266,8 +297,8 @@ class Reader:
         self._pop(req)
         self._deferred.discard(request_id)
         for part in req.parts.values():
-            part.state = read_next(part.state, ReadInput.FINISH)
-            if part.state is ReadState.FINISHED:  # not read, or not confirmed
+            part.state = read_next(part.state, _ON_FINISH)
+            if part.state is _FINISHED:  # not read, or not confirmed
                 self._awaiting.discard((request_id, part.rank))
                 self._abort_at(now, req, part.rank)
 
@@ -282,7 +313,7 @@ class Reader:
         """
         req = self._get(request_id)
         engine = req.ticket.holder_engine
-        return all(self._sessions[(engine, r)].state is SessionState.OPEN for r in req.parts)
+        return all(self._sessions[(engine, r)].state is _OPEN for r in req.parts)
 
     def begin_read(self, now: float, request_id: str) -> ReadGo | ReadDeferred | ReadDeclined:
         """Decide whether to read now. ``ReadGo`` lists one transfer per holder rank.
@@ -314,7 +345,7 @@ class Reader:
         done = wire.Done(claim=wire.Claim(lease=req.ticket.lease, proof=req.proof))
         for rank, part in req.parts.items():
             session = self._sessions[(req.ticket.holder_engine, rank)]
-            part.state = read_next(part.state, ReadInput.BEGIN_READ)
+            part.state = read_next(part.state, _ON_BEGIN_READ)
             part.done_frame = wire.encode(done, session.up)
             local_slice, remote_slice = read_slices(
                 self.rank, self.tp_size, req.ticket.holder_tp_size, rank
@@ -342,8 +373,8 @@ class Reader:
         if req is None:
             return
         part = req.parts[holder_rank]
-        part.state = read_next(part.state, ReadInput.READ_DONE)
-        if part.state is not ReadState.AWAITING_ACK:  # failed meanwhile: nothing to await
+        part.state = read_next(part.state, _ON_READ_DONE)
+        if part.state is not _AWAITING_ACK:  # failed meanwhile: nothing to await
             return
         session = self._sessions[(req.ticket.holder_engine, holder_rank)]
         self._release(now, session, req.ticket.lease, request_id)
@@ -370,8 +401,8 @@ class Reader:
         a session never asked for (no ``Connect`` output) is misuse.
         """
         session = self._known_session(engine, rank)
-        session.state = session_next(session.state, SessionInput.CONNECTED)
-        if session.state is SessionState.BROKEN:
+        session.state = session_next(session.state, _ON_CONNECTED)
+        if session.state is _BROKEN:
             self.stats.stale_connects += 1
             return
         if session.peer != peer:
@@ -409,7 +440,7 @@ class Reader:
             self._on_welcome(now, session, msg, data)
         elif (
             isinstance(msg, wire.Reject)
-            and session.state is SessionState.HELLO_SENT
+            and session.state is _HELLO_SENT
             and msg.reason != wire.RejectReason.NO_SESSION
         ):
             # The holder refused our Hello (too many sessions, TP layouts that do not
@@ -428,7 +459,7 @@ class Reader:
                 self._unsigned_no_session(now, session, msg)
             else:
                 self.stats.bad_mac += 1
-        elif session.state is not SessionState.OPEN:
+        elif session.state is not _OPEN:
             self.stats.unexpected_frames += 1
         elif isinstance(msg, wire.HeartbeatAck):
             self._on_ack(now, session, msg)
@@ -459,10 +490,10 @@ class Reader:
         for session in self._due_sessions(now):
             if session.beats.next_beat > now:
                 continue  # rescheduled by an earlier session's work
-            if session.state is SessionState.HELLO_SENT:
+            if session.state is _HELLO_SENT:
                 self._fail_lapsed(now, session)
                 self._hello(now, session)
-            elif session.state is SessionState.OPEN:
+            elif session.state is _OPEN:
                 self._beat(now, session)
             else:
                 self._schedule(session, math.inf)
@@ -492,7 +523,7 @@ class Reader:
     def session_state(self, engine: str, rank: int) -> SessionState:
         """State of the session with holder ``(engine, rank)``."""
         session = self._sessions.get((engine, rank))
-        return SessionState.IDLE if session is None else session.state
+        return _IDLE if session is None else session.state
 
     def skew(self, engine: str, rank: int) -> SkewEstimator | None:
         """The clock-offset estimate towards a holder rank, if a session exists."""
@@ -577,7 +608,7 @@ class Reader:
         """
         beat = session.beats.inflight.get(msg.seq)
         if (
-            session.state is not SessionState.OPEN
+            session.state is not _OPEN
             or beat is None
             or beat.acked_at is not None
             or now < session.unsigned_rehello + self._interval(session)
@@ -676,7 +707,7 @@ class Reader:
 
     def _on_welcome(self, now: float, session: _Session, msg: wire.Welcome, data: bytes) -> None:
         if (
-            session.state is not SessionState.HELLO_SENT
+            session.state is not _HELLO_SENT
             or msg.nonce != session.nonce
             or msg.engine != session.engine
             or msg.rank != session.rank
@@ -703,7 +734,7 @@ class Reader:
         session.prev_down = session.down
         session.up, session.down = up, down
         session.anchor_turn = 0
-        session.state = session_next(session.state, SessionInput.WELCOME)
+        session.state = session_next(session.state, _ON_WELCOME)
         if session.incarnation is not None and session.incarnation != msg.incarnation:
             # A new holder process: its tickets are the live ones now, and its clock
             # need not have anything to do with the old process's.
@@ -755,7 +786,7 @@ class Reader:
             acked = bounds.acked_bound(sent.sent, left, self._drift)
             part.lower_bound = max(part.lower_bound, acked)
             part.claimed_seq = min(part.claimed_seq, ack.seq)
-            part.state = read_next(part.state, ReadInput.CLAIM_ACKED)
+            part.state = read_next(part.state, _ON_CLAIM_ACKED)
         for lease in ack.lost:
             beats.pending_claims.pop(lease, None)
             self._lease_failed(now, session, lease, FailReason.LEASE_LOST)
@@ -780,9 +811,9 @@ class Reader:
                 # (learnt from another, stolen, ticket) can make us trust one.
                 self.stats.bad_mac += 1
                 return
-            if part.state is ReadState.READING:
+            if part.state is _READING:
                 part.early_held = True
-            elif part.state is ReadState.AWAITING_ACK:
+            elif part.state is _AWAITING_ACK:
                 self._held(req, part)
             else:
                 self.stats.unexpected_frames += 1
@@ -802,7 +833,7 @@ class Reader:
 
     def _rehello(self, now: float, session: _Session) -> None:
         """The holder does not know this session (any more): Hello again, re-claim all."""
-        session.state = session_next(session.state, SessionInput.REJECTED)
+        session.state = session_next(session.state, _ON_REJECTED)
         session.beats.reclaim_all(self._proof_of)
         self._hello(now, session)
 
@@ -831,17 +862,15 @@ class Reader:
 
     # ------------------------------------------------------------ helpers
 
-    def _targets_of(self, ticket: LeaseTicket) -> tuple[int, ...]:
-        """The holder ranks this rank reads ``ticket`` from; () if the TP sizes do not divide."""
-        holder_tp = ticket.holder_tp_size
-        targets = self._targets.get(holder_tp)
-        if targets is None:
-            big, small = max(self.tp_size, holder_tp), min(self.tp_size, holder_tp)
-            targets = (
-                ()
-                if big % small
-                else tuple(target_remote_ranks(self.rank, self.tp_size, holder_tp))
-            )
+    def _targets_of(self, holder_tp: int) -> tuple[int, ...]:
+        """The holder ranks this rank reads from (cached); () if the TP sizes do not divide."""
+        big, small = max(self.tp_size, holder_tp), min(self.tp_size, holder_tp)
+        targets = (
+            ()
+            if small < 1 or big % small
+            else tuple(target_remote_ranks(self.rank, self.tp_size, holder_tp))
+        )
+        if len(self._targets) < _TARGETS_KEEP:  # tickets are peer data: bound the cache
             self._targets[holder_tp] = targets
         return targets
 
@@ -861,8 +890,8 @@ class Reader:
 
     def _need(self, session: _Session) -> None:
         before = session.state
-        session.state = session_next(before, SessionInput.NEED)
-        if before in (SessionState.IDLE, SessionState.BROKEN):
+        session.state = session_next(before, _ON_NEED)
+        if before in (_IDLE, _BROKEN):
             self._out.append(Connect(engine=session.engine, rank=session.rank))
 
     def _attach(self, session: _Session, req: _Request) -> None:
@@ -891,10 +920,10 @@ class Reader:
             session.parked.remove(req.request_id)  # never claimed: nothing to abort
             return
         self._release(now, session, lease, req.request_id)
-        if session.state is SessionState.OPEN:
+        if session.state is _OPEN:
             session.beats.pending_aborts[lease] = req.proof
             self._beat(now, session)  # free the holder's memory now, not at the next tick
-        elif session.state in (SessionState.CONNECTING, SessionState.HELLO_SENT):
+        elif session.state in (_CONNECTING, _HELLO_SENT):
             # Not welcomed yet: the first heartbeat after Welcome carries the abort,
             # so a request given up before the handshake does not strand its blocks
             # for a whole lease (vLLM #41269).
@@ -908,7 +937,7 @@ class Reader:
             self.stats.lost += 1
         for rank, part in req.parts.items():
             was_started = part.state in _STARTED
-            part.state = read_next(part.state, ReadInput.FAIL)
+            part.state = read_next(part.state, _ON_FAIL)
             self._awaiting.discard((req.request_id, rank))
             if was_started or reason not in _HOLDER_ALREADY_ENDED:
                 self._abort_at(now, req, rank)
@@ -920,7 +949,7 @@ class Reader:
         self._out.append(RequestFailed(request_id=req.request_id, reason=reason))
 
     def _held(self, req: _Request, part: _Part) -> None:
-        part.state = read_next(part.state, ReadInput.ACK_HELD)
+        part.state = read_next(part.state, _ON_ACK_HELD)
         self._awaiting.discard((req.request_id, part.rank))
         if req.confirmed:
             self.stats.reads_confirmed += 1
@@ -938,7 +967,7 @@ class Reader:
         return req, None if req is None else req.parts.get(session.rank)
 
     def _break(self, now: float, session: _Session, reason: FailReason) -> None:
-        session.state = session_next(session.state, SessionInput.LOST)
+        session.state = session_next(session.state, _ON_LOST)
         self._schedule(session, math.inf)
         session.beats.reset()
         session.up = session.down = session.prev_down = b""
@@ -966,7 +995,7 @@ class Reader:
         session = self._sessions[(req.ticket.holder_engine, rank)]
         params = session.params
         return (
-            session.state is SessionState.OPEN
+            session.state is _OPEN
             and params is not None
             and session.incarnation == req.ticket.holder_incarnation
             and session.beats.leases.owner(req.ticket.lease) == req.request_id
@@ -995,7 +1024,7 @@ class Reader:
             # The last frame of the beat states the whole set: its ack settles the part.
             req.parts[rank].defer_seq = beats.seq
         for part in req.parts.values():
-            part.state = read_next(part.state, ReadInput.DEFER)
+            part.state = read_next(part.state, _ON_DEFER)
         req.defer_until = now + self.config.ack_timeout
         self._deferred.add(req.request_id)
         self.stats.deferred += 1

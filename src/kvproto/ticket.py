@@ -92,7 +92,7 @@ def ticket_problem(ticket: LeaseTicket) -> str | None:
     infinite times defeat every deadline comparison.
     """
     p = ticket.params
-    times = (p.duration, p.interval, p.extension, ticket.expires_in, ticket.deadline)
+    finite = math.isfinite
     if len(ticket.token) != TOKEN_BYTES:
         return f"token must be {TOKEN_BYTES} bytes"
     if not 1 <= ticket.lease <= MAX_ID:
@@ -101,7 +101,13 @@ def ticket_problem(ticket: LeaseTicket) -> str | None:
         return "holder incarnation outside uint64"
     if not 1 <= ticket.holder_tp_size <= MAX_HOLDER_TP:
         return f"holder TP size {ticket.holder_tp_size} outside 1..{MAX_HOLDER_TP}"
-    if not all(math.isfinite(t) for t in times):
+    if not (
+        finite(p.duration)
+        and finite(p.interval)
+        and finite(p.extension)
+        and finite(ticket.expires_in)
+        and finite(ticket.deadline)
+    ):  # spelt out, not all(genexpr): every track and adopt checks a ticket
         return "non-finite time"
     if p.max_hold is not None and not (math.isfinite(p.max_hold) and p.max_hold > 0):
         return "max_hold must be a positive number of seconds"
