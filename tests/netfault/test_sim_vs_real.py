@@ -20,10 +20,10 @@ import pytest
 from kvproto.config import LeaseConfig
 from kvproto_tools.sim import engine, flows
 from kvproto_tools.sim.context import Context
+from kvproto_tools.sim.kvproto_side import KvprotoSide
 from kvproto_tools.sim.model import Hold
 from kvproto_tools.sim.policies import MAX_NOTIFICATION, Policy
 from kvproto_tools.sim.scenarios import QueueWait, Scenario
-from kvproto_tools.sim.sides import KvprotoSide
 
 from .world import CONFIG
 

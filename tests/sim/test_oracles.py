@@ -7,8 +7,9 @@ import dataclasses
 from kvproto.legacy import LegacyHeartbeat, parse
 from kvproto_tools.baselines import VllmLeaseConfig, VllmLeaseHolder
 from kvproto_tools.sim import POLICIES, Policy, Simulator
-from kvproto_tools.sim.sides import Side, VllmSide
+from kvproto_tools.sim.sides import Side
 from kvproto_tools.sim.transport import SimTransport
+from kvproto_tools.sim.vllm_side import VllmSide
 
 
 class _ShorteningHolder(VllmLeaseHolder):

@@ -8,7 +8,9 @@ from typing import TYPE_CHECKING
 
 from kvproto.config import LeaseConfig
 from kvproto_tools.baselines.vllm_lease import VllmLeaseConfig
-from kvproto_tools.sim.sides import KvprotoSide, Side, VllmSide
+from kvproto_tools.sim.kvproto_side import KvprotoSide
+from kvproto_tools.sim.sides import Side
+from kvproto_tools.sim.vllm_side import VllmSide
 
 if TYPE_CHECKING:
     from kvproto_tools.sim.transport import SimTransport
