@@ -130,6 +130,12 @@ class Beats:
 
         The caller schedules the next tick (:attr:`next_beat`).
         """
+        if not (self.pending_claims or self.pending_aborts or self.want_full):
+            # The steady state: nothing to carry but the set's count and digest.
+            steady = self._frame(
+                now, key, claims=[], aborts=[], later_count=0, later_digest=0, full=None, final=True
+            )
+            return [steady]
         room = budget - _FRAME_OVERHEAD
         claims = [wire.Claim(lease=lease, proof=p) for lease, p in self.pending_claims.items()]
         aborts = [wire.Claim(lease=lease, proof=p) for lease, p in self.pending_aborts.items()]
@@ -149,10 +155,10 @@ class Beats:
                     for lease, rid in self.leases.items()
                 ]
         if not claims and not aborts:
-            steady = self._frame(
+            alone = self._frame(
                 now, key, claims=[], aborts=[], later_count=0, later_digest=0, full=full, final=True
             )
-            return [steady]
+            return [alone]
         per_frame = max(1, room // _CLAIM_BYTES)
         return self._split(now, key, claims=claims, aborts=aborts, full=full, per_frame=per_frame)
 

@@ -47,22 +47,21 @@ class LeaseSet(Generic[V]):
     its owner and leaves count and digest alone: they describe the set of ids.
     """
 
-    __slots__ = ("_owners", "digest")
+    __slots__ = ("_owners", "count", "digest")
 
     def __init__(self) -> None:
         self._owners: dict[int, V] = {}
+        self.count = 0
+        """How many ids the set holds (the heartbeat's ``count``); a plain attribute,
+        read on every heartbeat sent and compared."""
         self.digest = 0
         """:func:`kvproto.wire.digest` of the ids, kept up to date."""
-
-    @property
-    def count(self) -> int:
-        """How many ids the set holds (the heartbeat's ``count``)."""
-        return len(self._owners)
 
     def add(self, lease: int, owner: V) -> None:
         """``lease`` joins the set, owned by ``owner``."""
         owners = self._owners
         if lease not in owners:
+            self.count += 1
             self.digest = (self.digest + id_hash(lease)) & MAX_U64
         owners[lease] = owner
 
@@ -72,6 +71,7 @@ class LeaseSet(Generic[V]):
         if lease not in owners:
             return False
         del owners[lease]
+        self.count -= 1
         self.digest = (self.digest - id_hash(lease)) & MAX_U64
         return True
 
@@ -91,6 +91,7 @@ class LeaseSet(Generic[V]):
     def clear(self) -> None:
         """Empty the set."""
         self._owners.clear()
+        self.count = 0
         self.digest = 0
 
     def __contains__(self, lease: object) -> bool:

@@ -846,10 +846,12 @@ class Reader:
     def _beat(self, now: float, session: _Session) -> None:
         """Send this tick's heartbeat(s) (:meth:`kvproto.beats.Beats.frames`)."""
         beats = session.beats
-        self._schedule(
-            session,
-            now + self._interval(session) if (beats.leases or beats.pending_aborts) else math.inf,
-        )
+        params = session.params
+        if beats.leases.count or beats.pending_aborts:
+            interval = params.interval if params is not None else self._interval(session)
+            self._schedule(session, now + interval)
+        else:
+            self._schedule(session, math.inf)
         if beats.want_full:
             self.stats.resyncs += 1
         stats, out, peer = self.stats, self._out, session.peer
