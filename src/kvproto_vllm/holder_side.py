@@ -15,7 +15,6 @@ import logging
 from collections.abc import Callable, Iterable
 
 from kvproto.config import LeaseConfig
-from kvproto.errors import LocalProtocolError
 from kvproto.events import FreeBlocks
 from kvproto.holder import Holder
 
@@ -69,11 +68,11 @@ class HolderSide:
             if self.holder is None:
                 self._refuse(grant, "no holder (metadata without incarnation)")
                 continue
-            try:
-                self.holder.adopt(now, grant.ticket)
-            except LocalProtocolError as exc:
-                self._refuse(grant, str(exc))
+            problem = self.holder.adoption_problem(grant.ticket)
+            if problem is not None:
+                self._refuse(grant, problem)
                 continue
+            self.holder.adopt(now, grant.ticket)
             self._record("granted", grant.request_id, f"lease {grant.ticket.lease}")
 
     def _refuse(self, grant: Grant, why: str) -> None:
