@@ -154,11 +154,6 @@ class Beats:
                     wire.Claim(lease=lease, proof=proof_of(rid))
                     for lease, rid in self.leases.items()
                 ]
-        if not claims and not aborts:
-            alone = self._frame(
-                now, key, claims=[], aborts=[], later_count=0, later_digest=0, full=full, final=True
-            )
-            return [alone]
         per_frame = max(1, room // _CLAIM_BYTES)
         return self._split(now, key, claims=claims, aborts=aborts, full=full, per_frame=per_frame)
 
@@ -175,8 +170,8 @@ class Beats:
         """Aborts first, then claims, ``per_frame`` to a frame (the full list alone, first)."""
         items = [(False, c) for c in aborts] + [(True, c) for c in claims]
         chunks = [items[i : i + per_frame] for i in range(0, len(items), per_frame)]
-        if full is not None:
-            chunks.insert(0, [])
+        if full is not None or not chunks:
+            chunks.insert(0, [])  # the full list alone, or one frame that states the set
         later_count = len(claims)
         later_digest = wire.digest(c.lease for c in claims)
         out = []

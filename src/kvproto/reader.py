@@ -475,7 +475,10 @@ class Reader:
 
     def get_timer(self) -> float | None:
         """The next time :meth:`handle_timer` has work, or None."""
-        best = self._next_session_timer()
+        timers = self._timers
+        while timers and timers[0][3].beats.next_beat != timers[0][0]:
+            heapq.heappop(timers)  # rescheduled since
+        best = timers[0][0] if timers else math.inf
         for rid in self._deferred:
             req = self._requests[rid]
             if not self._settled(req):
@@ -487,6 +490,15 @@ class Reader:
 
     def handle_timer(self, now: float) -> None:
         """Send due heartbeats, re-send unacknowledged dones, fence reads whose ack is late."""
+        timers = self._timers
+        if timers and timers[0][0] <= now:  # O(1) when nothing is due
+            self._serve_sessions(now)
+        if self._awaiting:
+            self._resend_dones(now)
+        if self._deferred:
+            self._expire_deferred(now)
+
+    def _serve_sessions(self, now: float) -> None:
         for session in self._due_sessions(now):
             if session.beats.next_beat > now:
                 continue  # rescheduled by an earlier session's work
@@ -497,8 +509,8 @@ class Reader:
                 self._beat(now, session)
             else:
                 self._schedule(session, math.inf)
-        if self._awaiting:
-            self._resend_dones(now)
+
+    def _expire_deferred(self, now: float) -> None:
         for rid in list(self._deferred):
             req = self._requests[rid]
             if self._settled(req):
@@ -552,17 +564,9 @@ class Reader:
             if at < math.inf:
                 heapq.heappush(self._timers, (at, session.serial, next(self._pushes), session))
 
-    def _next_session_timer(self) -> float:
-        timers = self._timers
-        while timers and timers[0][3].beats.next_beat != timers[0][0]:
-            heapq.heappop(timers)  # rescheduled since
-        return timers[0][0] if timers else math.inf
-
     def _due_sessions(self, now: float) -> list[_Session]:
         """Sessions whose timer is due, in creation order (as a scan of all would serve them)."""
         timers = self._timers
-        if not timers or timers[0][0] > now:
-            return []
         due: dict[int, _Session] = {}
         while timers and timers[0][0] <= now:
             at, serial, _, session = heapq.heappop(timers)
