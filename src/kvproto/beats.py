@@ -24,12 +24,6 @@ from dataclasses import dataclass
 from kvproto import wire
 from kvproto.leaseset import LeaseSet, digest_without
 
-_CLAIM_BYTES = 1 + 9 + 18
-"""Upper bound of one claim's msgpack size (array header, uint64, 16-byte bin)."""
-_ID_BYTES = 9
-"""Upper bound of one lease id's msgpack size."""
-_FRAME_OVERHEAD = 64
-"""Everything in a heartbeat but its lists: header, tag, scalar fields, MAC."""
 _INFLIGHT_KEEP = 64
 """Sent heartbeats remembered for their acknowledgement (older answers are unexpected)."""
 _NO_IDS: tuple[int, ...] = ()
@@ -136,13 +130,12 @@ class Beats:
                 now, key, claims=[], aborts=[], later_count=0, later_digest=0, full=None, final=True
             )
             return [steady]
-        room = budget - _FRAME_OVERHEAD
         claims = [wire.Claim(lease=lease, proof=p) for lease, p in self.pending_claims.items()]
         aborts = [wire.Claim(lease=lease, proof=p) for lease, p in self.pending_aborts.items()]
         full: list[int] | None = None
         if self.want_full:
             self.want_full = False
-            if len(self.leases) <= room // _ID_BYTES:
+            if len(self.leases) <= (budget - wire.FRAME_OVERHEAD) // wire.ID_BYTES:
                 # The full list goes alone in the first frame and names only leases the
                 # holder can already know: claims travel in the frames after it, and a
                 # listed lease that was never claimed would be answered "lost".
@@ -154,7 +147,7 @@ class Beats:
                     wire.Claim(lease=lease, proof=proof_of(rid))
                     for lease, rid in self.leases.items()
                 ]
-        per_frame = max(1, room // _CLAIM_BYTES)
+        per_frame = wire.frame_room(budget, wire.CLAIM_BYTES)
         return self._split(now, key, claims=claims, aborts=aborts, full=full, per_frame=per_frame)
 
     def _split(
@@ -169,9 +162,9 @@ class Beats:
     ) -> list[bytes]:
         """Aborts first, then claims, ``per_frame`` to a frame (the full list alone, first)."""
         items = [(False, c) for c in aborts] + [(True, c) for c in claims]
-        chunks = [items[i : i + per_frame] for i in range(0, len(items), per_frame)]
-        if full is not None or not chunks:
-            chunks.insert(0, [])  # the full list alone, or one frame that states the set
+        chunks = [items[cut] for cut in wire.frame_slices(len(items), per_frame)]
+        if full is not None and items:
+            chunks.insert(0, [])  # the full list goes alone
         later_count = len(claims)
         later_digest = wire.digest(c.lease for c in claims)
         out = []
