@@ -19,6 +19,7 @@ from kvproto import auth, wire
 from kvproto.config import LeaseConfig
 from kvproto.events import Connect, SendFrame
 from kvproto.holder import Holder
+from kvproto.leaseset import digest_add
 from kvproto.reader import Reader
 from kvproto.ticket import LeaseTicket, claim_proof
 from kvproto_tools.bench.timing import no_gc
@@ -282,7 +283,7 @@ class WireReader:
             ]
             for c in part:
                 self.count += 1
-                self.digest = (self.digest + wire.id_hash(c.lease)) & wire.MAX_U64
+                self.digest = digest_add(self.digest, c.lease)
             frames.append(self._heartbeat(part))
         return frames
 
