@@ -34,7 +34,7 @@ def digest_remove(digest: int, lease: int) -> int:
 def digest_without(digest: int, leases: Iterable[int]) -> int:
     """``digest`` of a set, updated for every one of ``leases`` leaving it."""
     for lease in leases:
-        digest = (digest - id_hash(lease)) & MAX_U64
+        digest = digest_remove(digest, lease)
     return digest
 
 
@@ -62,7 +62,7 @@ class LeaseSet(Generic[V]):
         owners = self._owners
         if lease not in owners:
             self.count += 1
-            self.digest = (self.digest + id_hash(lease)) & MAX_U64
+            self.digest = digest_add(self.digest, lease)
         owners[lease] = owner
 
     def discard(self, lease: int) -> bool:
@@ -72,7 +72,7 @@ class LeaseSet(Generic[V]):
             return False
         del owners[lease]
         self.count -= 1
-        self.digest = (self.digest - id_hash(lease)) & MAX_U64
+        self.digest = digest_remove(self.digest, lease)
         return True
 
     def owner(self, lease: int) -> V | None:
