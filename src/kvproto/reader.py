@@ -2,13 +2,15 @@
 
 Sans-I/O like :mod:`kvproto.holder`. One :class:`Reader` serves one reader
 rank. For each holder rank it reads from it keeps a *session*
-(:class:`~kvproto.states.SessionState`): the binding is asked to make the
-holder reachable (:class:`~kvproto.events.Connect`), the reader says Hello,
-and once welcomed sends one heartbeat per tick (the holder's advertised
-interval). What a heartbeat carries -- changes until acknowledged, plus the
-count and digest of the session's lease set -- is :mod:`kvproto.beats`; what
-the reader can prove about the holder's deadline is :mod:`kvproto.bounds`.
-This module keeps the requests and ties the two together.
+(:mod:`kvproto.reader_session`: Hello, Welcome, keys, holder incarnations):
+the binding is asked to make the holder reachable
+(:class:`~kvproto.events.Connect`), the reader says Hello, and once welcomed
+sends one heartbeat per tick (the holder's advertised interval). What a
+heartbeat carries -- changes until acknowledged, plus the count and digest of
+the session's lease set -- is :mod:`kvproto.beats`; what the reader can prove
+about the holder's deadline is :mod:`kvproto.bounds`. This module keeps the
+requests and ties the three together: it fails requests and emits outputs on
+the session's answers.
 
 Reads are fenced twice:
 
@@ -50,12 +52,11 @@ import itertools
 import math
 import secrets
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvproto import auth, bounds, wire
-from kvproto.beats import Beats
 from kvproto.clock import SkewEstimator, SkewSample
-from kvproto.config import LeaseConfig, LeaseParams
+from kvproto.config import LeaseConfig
 from kvproto.errors import LocalProtocolError, RemoteProtocolError
 from kvproto.events import (
     Connect,
@@ -69,14 +70,8 @@ from kvproto.events import (
     RequestFailed,
     SendFrame,
 )
-from kvproto.states import (
-    ReadInput,
-    ReadState,
-    SessionInput,
-    SessionState,
-    read_next,
-    session_next,
-)
+from kvproto.reader_session import ReaderSide, Session, WelcomeProblem
+from kvproto.states import ReadInput, ReadState, SessionState, read_next
 from kvproto.stats import ReaderStats
 from kvproto.ticket import LeaseTicket, claim_proof, ticket_problem
 from kvproto.tpmath import read_slices, target_remote_ranks
@@ -93,7 +88,6 @@ _HOLDER_ALREADY_ENDED = frozenset(
 _AWAITING_ACK = ReadState.AWAITING_ACK
 _CONFIRMED = ReadState.CONFIRMED
 _FAILED = ReadState.FAILED
-_BROKEN = SessionState.BROKEN
 _CONNECTING = SessionState.CONNECTING
 _FINISHED = ReadState.FINISHED
 _HELLO_SENT = SessionState.HELLO_SENT
@@ -101,19 +95,13 @@ _IDLE = SessionState.IDLE
 _ON_ACK_HELD = ReadInput.ACK_HELD
 _ON_BEGIN_READ = ReadInput.BEGIN_READ
 _ON_CLAIM_ACKED = ReadInput.CLAIM_ACKED
-_ON_CONNECTED = SessionInput.CONNECTED
 _ON_DEFER = ReadInput.DEFER
 _ON_FAIL = ReadInput.FAIL
 _ON_FINISH = ReadInput.FINISH
-_ON_LOST = SessionInput.LOST
-_ON_NEED = SessionInput.NEED
 _ON_READ_DONE = ReadInput.READ_DONE
-_ON_REJECTED = SessionInput.REJECTED
-_ON_WELCOME = SessionInput.WELCOME
 _OPEN = SessionState.OPEN
 _READING = ReadState.READING
 _STARTED = frozenset({_READING, _AWAITING_ACK})
-_STALE_KEEP = 16
 _TARGETS_KEEP = 64
 
 
@@ -154,40 +142,10 @@ class _Request:
         """Every holder rank confirmed the read."""
         return bool(self.parts) and all(p.state is _CONFIRMED for p in self.parts.values())
 
-
-@dataclass(slots=True, eq=False)
-class _Session:
-    engine: str
-    rank: int
-    serial: int
-    """Creation order: due sessions are served in it."""
-    state: SessionState = SessionState.IDLE
-    peer: PeerId = ""
-    nonce: bytes = b""
-    hello_sent: float = -math.inf
-    up: bytes = b""
-    """Session key, reader → holder (kvproto.auth); empty before a Welcome."""
-    down: bytes = b""
-    """Session key, holder → reader."""
-    prev_down: bytes = b""
-    """The key before the last re-key: acks already on their way still count."""
-    attempt: int = 0
-    """Hellos sent in this incarnation (the holder refuses older ones)."""
-    anchor_turn: int = 0
-    """Hellos since the last Welcome: unanswered retries try the next anchor."""
-    anchor_token: bytes = b""
-    """Token of the last Hello's anchor lease: keys its Welcome or refusal."""
-    unsigned_rehello: float = -math.inf
-    """When an unauthenticated "no session" last made us say Hello (once an interval)."""
-    params: LeaseParams | None = None
-    incarnation: int | None = None
-    beats: Beats = field(default_factory=Beats)
-    skew: SkewEstimator = field(default_factory=SkewEstimator)
-    stale_incarnations: set[int] = field(default_factory=set)
-    """Holder incarnations a Welcome proved gone (their tickets fail at once)."""
-    parked: list[str] = field(default_factory=list)
-    """Requests whose ticket names an incarnation not yet met: held back until the
-    Welcome says whether it is the holder's (lease ids repeat across incarnations)."""
+    def claim_acked(self, rank: int) -> bool:
+        """The holder rank ``rank`` acknowledged this request's claim."""
+        part = self.parts.get(rank)
+        return part is not None and part.claimed_seq < math.inf
 
 
 class Reader:
@@ -212,16 +170,19 @@ class Reader:
         self.tp_size = tp_size
         self.stats = ReaderStats()
         self._entropy = entropy
+        self._side = ReaderSide(
+            engine=engine, rank=rank, tp_size=tp_size, incarnation=incarnation, config=config
+        )
         self._drift = config.max_drift_ppm * 1e-6
         self._requests: dict[str, _Request] = {}
-        self._sessions: dict[SessionKey, _Session] = {}
-        self._by_peer: dict[PeerId, list[_Session]] = {}
+        self._sessions: dict[SessionKey, Session] = {}
+        self._by_peer: dict[PeerId, list[Session]] = {}
         self._awaiting: set[tuple[str, int]] = set()
         self._by_lease: dict[tuple[str, int], str] = {}
         self._deferred: set[str] = set()
         self._targets: dict[int, tuple[int, ...]] = {}
         """Holder TP size → the holder ranks this rank reads from (empty: they do not divide)."""
-        self._timers: list[tuple[float, int, int, _Session]] = []
+        self._timers: list[tuple[float, int, int, Session]] = []
         self._pushes = itertools.count()
         """Heap of (next_beat, serial, push number, session); entries whose time is no longer the
         session's are skipped, so an idle step costs O(1)."""
@@ -401,8 +362,7 @@ class Reader:
         a session never asked for (no ``Connect`` output) is misuse.
         """
         session = self._known_session(engine, rank)
-        session.state = session_next(session.state, _ON_CONNECTED)
-        if session.state is _BROKEN:
+        if not session.connected():
             self.stats.stale_connects += 1
             return
         if session.peer != peer:
@@ -449,12 +409,11 @@ class Reader:
             # a heartbeat sent before our Hello: we are saying Hello already.) Only a
             # refusal signed with our anchor's token counts: a forged one would fail
             # every request of the session.
-            key = auth.refusal_key(session.anchor_token, session.nonce, self.config.auth_secret)
-            if session.anchor_token and wire.verify(key, data):
+            if session.refusal_authentic(data):
                 self._on_reject(now, session, msg)
             else:
                 self.stats.bad_mac += 1
-        elif not self._authentic(session, data):
+        elif not session.authentic(data):
             if isinstance(msg, wire.Reject) and msg.reason == wire.RejectReason.NO_SESSION:
                 self._unsigned_no_session(now, session, msg)
             else:
@@ -556,7 +515,7 @@ class Reader:
 
     # ------------------------------------------------------------ timers
 
-    def _schedule(self, session: _Session, at: float) -> None:
+    def _schedule(self, session: Session, at: float) -> None:
         """The session's timer is due at ``at`` (inf: none)."""
         beats = session.beats
         if at != beats.next_beat:
@@ -564,10 +523,10 @@ class Reader:
             if at < math.inf:
                 heapq.heappush(self._timers, (at, session.serial, next(self._pushes), session))
 
-    def _due_sessions(self, now: float) -> list[_Session]:
+    def _due_sessions(self, now: float) -> list[Session]:
         """Sessions whose timer is due, in creation order (as a scan of all would serve them)."""
         timers = self._timers
-        due: dict[int, _Session] = {}
+        due: dict[int, Session] = {}
         while timers and timers[0][0] <= now:
             at, serial, _, session = heapq.heappop(timers)
             if session.beats.next_beat == at:
@@ -596,165 +555,39 @@ class Reader:
 
     # ------------------------------------------------------------ frames
 
-    @staticmethod
-    def _authentic(session: _Session, data: bytes) -> bool:
-        """Signed with the session's holder → reader key (or the one before a re-key)."""
-        return bool(session.down) and (
-            wire.verify(session.down, data)
-            or (bool(session.prev_down) and wire.verify(session.prev_down, data))
-        )
-
-    def _unsigned_no_session(self, now: float, session: _Session, msg: wire.Reject) -> None:
-        """A holder without our session cannot sign its "no session"; anyone could
-        send one. Heeded only for a heartbeat we still wait on, and at most once a
-        heartbeat interval: a forger can then cost one handshake an interval, and
-        the Welcome is followed by a heartbeat at once, so the leases stay renewed.
-        """
-        beat = session.beats.inflight.get(msg.seq)
-        if (
-            session.state is not _OPEN
-            or beat is None
-            or beat.acked_at is not None
-            or now < session.unsigned_rehello + self._interval(session)
-        ):
+    def _unsigned_no_session(self, now: float, session: Session, msg: wire.Reject) -> None:
+        """An unsigned "no session": see :meth:`Session.heed_unsigned_no_session`."""
+        interval = self._interval(session) if session.state is _OPEN else math.inf
+        if session.heed_unsigned_no_session(now, msg.seq, interval):
+            self._on_reject(now, session, msg)
+        else:
             self.stats.bad_mac += 1
-            return
-        session.unsigned_rehello = now
-        self._on_reject(now, session, msg)
 
-    def _fail_lapsed(self, now: float, session: _Session) -> None:
-        """Unwelcomed, fail the requests whose lease has lapsed by our own record.
+    def _fail_lapsed(self, now: float, session: Session) -> None:
+        """Unwelcomed, fail the requests whose lease lapsed (:meth:`Session.lapsed`)."""
+        for rid in session.lapsed(now, self._requests):
+            self._fail(now, self._requests[rid], FailReason.LEASE_LOST)
 
-        A holder that restarted knows none of the old tokens, so it cannot sign
-        any answer to a Hello anchored on them, and an unsigned "holder
-        restarted" would let anyone fail our requests. Without a Welcome the
-        request fails once the lease is surely over
-        (:func:`kvproto.bounds.surely_lapsed_at`): at most the ticket's lease, or
-        one extension past the last acknowledged heartbeat. A newer ticket of
-        the new incarnation, if any, keys a Welcome at once and tells sooner.
-        """
-        for rid in {*session.beats.leases.owners(), *session.parked}:
-            req = self._requests.get(rid)
-            if req is None or req.failed:
-                continue
-            lapse = bounds.surely_lapsed_at(
-                tracked_at=req.tracked_at,
-                ticket=req.ticket,
-                extension=(session.params or req.ticket.params).extension,
-                beats=session.beats.inflight.values(),
-                drift=self._drift,
-                ack_timeout=self.config.ack_timeout,
-            )
-            if now >= lapse:
-                self._fail(now, req, FailReason.LEASE_LOST)
-
-    def _anchor(self, session: _Session) -> _Request | None:
-        """A request whose ticket keys the next Hello; they take turns on retries.
-
-        Parked tickets on every other turn (they name an incarnation the holder
-        may have become); otherwise leases the holder acknowledged for this session
-        first (a live session is re-keyed only by a lease it holds), then the rest.
-        """
-        parked = [self._requests[rid] for rid in reversed(session.parked) if rid in self._requests]
-        acked: list[_Request] = []
-        other: list[_Request] = []
-        for rid in session.beats.leases.owners(newest_first=True):
-            req = self._requests.get(rid)
-            if req is None:
-                continue
-            part = req.parts.get(session.rank)
-            (acked if part is not None and part.claimed_seq < math.inf else other).append(req)
-        rest = acked + other
-        turn = session.anchor_turn
-        if parked and (not rest or turn % 2 == 0):
-            return parked[turn // 2 % len(parked) if rest else turn % len(parked)]
-        return rest[turn // 2 % len(rest) if parked else turn % len(rest)] if rest else None
-
-    def _hello(self, now: float, session: _Session) -> None:
-        session.nonce = self._entropy(16)
-        session.hello_sent = now
+    def _hello(self, now: float, session: Session) -> None:
         self._schedule(session, now + self._interval(session))  # re-Hello if no Welcome by then
-        req = self._anchor(session)
-        if req is None:
-            # No ticket to prove, nothing to heartbeat either. The retry timer runs on,
-            # so a request tracked later gets its Hello; attempt numbers count only
-            # Hellos sent (the holder refuses a jump of more than 2**16).
-            session.anchor_token = b""
-            return
-        session.attempt += 1
-        session.anchor_turn += 1
-        session.anchor_token = req.ticket.token
-        lease = req.ticket.lease
-        proof = auth.hello_proof(
-            req.ticket.token,
-            reader_engine=self.engine,
-            reader_rank=self.rank,
-            reader_tp=self.tp_size,
-            reader_incarnation=self.incarnation,
-            holder_rank=session.rank,
-            lease=lease,
-            attempt=session.attempt,
-            nonce=session.nonce,
-        )
-        hello = wire.Hello(
-            engine=self.engine,
-            rank=self.rank,
-            tp_size=self.tp_size,
-            incarnation=self.incarnation,
-            nonce=session.nonce,
-            attempt=session.attempt,
-            anchor=wire.Claim(lease=lease, proof=proof),
-        )
-        self._out.append(
-            SendFrame(peer=session.peer, payload=wire.encode(hello, self.config.auth_secret))
-        )
+        payload = session.hello(now, self._entropy(16), session.anchor(self._requests))
+        if payload is not None:
+            self._out.append(SendFrame(peer=session.peer, payload=payload))
 
-    def _on_welcome(self, now: float, session: _Session, msg: wire.Welcome, data: bytes) -> None:
-        if (
-            session.state is not _HELLO_SENT
-            or msg.nonce != session.nonce
-            or msg.engine != session.engine
-            or msg.rank != session.rank
-            or not session.anchor_token
-        ):
-            self.stats.unexpected_frames += 1
+    def _on_welcome(self, now: float, session: Session, msg: wire.Welcome, data: bytes) -> None:
+        problem = session.welcome(now, msg, data)
+        if problem is not None:
+            if problem is WelcomeProblem.BAD_MAC:
+                self.stats.bad_mac += 1
+            else:
+                self.stats.unexpected_frames += 1
             return
-        up, down = auth.session_keys(
-            session.anchor_token,
-            reader_engine=self.engine,
-            reader_rank=self.rank,
-            reader_incarnation=self.incarnation,
-            holder_engine=msg.engine,
-            holder_rank=msg.rank,
-            holder_incarnation=msg.incarnation,
-            nonce=msg.nonce,
-            server_nonce=msg.server_nonce,
-            secret=self.config.auth_secret,
-        )
-        if not wire.verify(down, data):
-            # Only the holder of our anchor's token can sign this Welcome.
-            self.stats.bad_mac += 1
-            return
-        session.prev_down = session.down
-        session.up, session.down = up, down
-        session.anchor_turn = 0
-        session.state = session_next(session.state, _ON_WELCOME)
-        if session.incarnation is not None and session.incarnation != msg.incarnation:
-            # A new holder process: its tickets are the live ones now, and its clock
-            # need not have anything to do with the old process's.
-            self._stale(session, session.incarnation)
-            session.skew = SkewEstimator(max_drift_ppm=self.config.max_drift_ppm)
-        session.skew.add(SkewSample(sent=session.hello_sent, peer=msg.clock, received=now))
-        session.params = msg.params
-        session.incarnation = msg.incarnation
         beats = session.beats
         for lease, rid in list(beats.leases.items()):
             req = self._requests.get(rid)
-            if req is not None and req.ticket.holder_incarnation != msg.incarnation:
-                self._stale(session, req.ticket.holder_incarnation)
-                self._fail(now, req, FailReason.HOLDER_RESTARTED)
-            elif req is not None and bounds.ticket_bound(session.skew, req.ticket, now) <= now:
-                self._fail(now, req, FailReason.LEASE_LOST)
+            reason = None if req is None else session.welcomed_verdict(now, req.ticket)
+            if req is not None and reason is not None:
+                self._fail(now, req, reason)
             else:
                 beats.pending_claims.setdefault(lease, self._proof_of(rid))
         parked, session.parked = session.parked, []
@@ -762,16 +595,14 @@ class Reader:
             req = self._requests.get(rid)
             if req is None or req.failed:
                 continue
-            if req.ticket.holder_incarnation != msg.incarnation:
-                self._stale(session, req.ticket.holder_incarnation)
-                self._fail(now, req, FailReason.HOLDER_RESTARTED)
-            elif bounds.ticket_bound(session.skew, req.ticket, now) <= now:
-                self._fail(now, req, FailReason.LEASE_LOST)
+            reason = session.welcomed_verdict(now, req.ticket)
+            if reason is not None:
+                self._fail(now, req, reason)
             else:
                 self._attach(session, req)
         self._beat(now, session)  # at once: vLLM dropped the heartbeat of the handshake tick
 
-    def _on_ack(self, now: float, session: _Session, ack: wire.HeartbeatAck) -> None:
+    def _on_ack(self, now: float, session: Session, ack: wire.HeartbeatAck) -> None:
         beats = session.beats
         sent = beats.answered(now, ack.seq)
         if sent is None:
@@ -797,7 +628,7 @@ class Reader:
         if beats.compared(ack.seq, sent, resync=ack.resync):
             self._resync_deferred(now, session, ack.seq)
 
-    def _on_done_ack(self, now: float, session: _Session, msg: wire.DoneAck) -> None:
+    def _on_done_ack(self, now: float, session: Session, msg: wire.DoneAck) -> None:
         req, part = self._find(session, msg.lease)
         if req is None or part is None:
             self.stats.unexpected_frames += 1
@@ -828,26 +659,19 @@ class Reader:
         else:
             self.stats.unexpected_frames += 1
 
-    def _on_reject(self, now: float, session: _Session, msg: wire.Reject) -> None:
+    def _on_reject(self, now: float, session: Session, msg: wire.Reject) -> None:
         self.stats.rejects += 1
         if msg.reason == wire.RejectReason.NO_SESSION:
             self._rehello(now, session)
         else:
             self._break(now, session, FailReason.CONNECT_FAILED)
 
-    def _rehello(self, now: float, session: _Session) -> None:
+    def _rehello(self, now: float, session: Session) -> None:
         """The holder does not know this session (any more): Hello again, re-claim all."""
-        session.state = session_next(session.state, _ON_REJECTED)
-        session.beats.reclaim_all(self._proof_of)
+        session.rejected(self._proof_of)
         self._hello(now, session)
 
-    @staticmethod
-    def _stale(session: _Session, incarnation: int) -> None:
-        if len(session.stale_incarnations) >= _STALE_KEEP:
-            session.stale_incarnations.pop()
-        session.stale_incarnations.add(incarnation)
-
-    def _beat(self, now: float, session: _Session) -> None:
+    def _beat(self, now: float, session: Session) -> None:
         """Send this tick's heartbeat(s) (:meth:`kvproto.beats.Beats.frames`)."""
         beats = session.beats
         params = session.params
@@ -880,33 +704,30 @@ class Reader:
             self._targets[holder_tp] = targets
         return targets
 
-    def _session(self, engine: str, rank: int) -> _Session:
+    def _session(self, engine: str, rank: int) -> Session:
         session = self._sessions.get((engine, rank))
         if session is None:
-            session = _Session(engine=engine, rank=rank, serial=len(self._sessions))
-            session.skew = SkewEstimator(max_drift_ppm=self.config.max_drift_ppm)
+            session = Session(self._side, engine=engine, rank=rank, serial=len(self._sessions))
             self._sessions[(engine, rank)] = session
         return session
 
-    def _known_session(self, engine: str, rank: int) -> _Session:
+    def _known_session(self, engine: str, rank: int) -> Session:
         session = self._sessions.get((engine, rank))
         if session is None:
             raise LocalProtocolError(f"no session was asked for {(engine, rank)}")
         return session
 
-    def _need(self, session: _Session) -> None:
-        before = session.state
-        session.state = session_next(before, _ON_NEED)
-        if before in (_IDLE, _BROKEN):
+    def _need(self, session: Session) -> None:
+        if session.need():
             self._out.append(Connect(engine=session.engine, rank=session.rank))
 
-    def _attach(self, session: _Session, req: _Request) -> None:
+    def _attach(self, session: Session, req: _Request) -> None:
         """The session heartbeats ``req``'s lease from now on (claim in the next beat)."""
         lease = req.ticket.lease
         self._by_lease[(session.engine, lease)] = req.request_id
         session.beats.hold(lease, req.request_id, req.proof)
 
-    def _release(self, now: float, session: _Session, lease: int, request_id: str) -> bool:
+    def _release(self, now: float, session: Session, lease: int, request_id: str) -> bool:
         beats = session.beats
         if beats.leases.owner(lease) != request_id:
             return False  # not held (or the id is another incarnation's request)
@@ -961,23 +782,21 @@ class Reader:
             self.stats.reads_confirmed += 1
             self._out.append(ReadConfirmed(request_id=req.request_id))
 
-    def _lease_failed(self, now: float, session: _Session, lease: int, reason: FailReason) -> None:
+    def _lease_failed(self, now: float, session: Session, lease: int, reason: FailReason) -> None:
         req, part = self._find(session, lease)
         if req is None or part is None:
             return
         self._fail(now, req, reason)
 
-    def _find(self, session: _Session, lease: int) -> tuple[_Request | None, _Part | None]:
+    def _find(self, session: Session, lease: int) -> tuple[_Request | None, _Part | None]:
         rid = self._by_lease.get((session.engine, lease))
         req = None if rid is None else self._requests.get(rid)
         return req, None if req is None else req.parts.get(session.rank)
 
-    def _break(self, now: float, session: _Session, reason: FailReason) -> None:
-        session.state = session_next(session.state, _ON_LOST)
+    def _break(self, now: float, session: Session, reason: FailReason) -> None:
+        held = session.lost()
         self._schedule(session, math.inf)
-        session.beats.reset()
-        session.up = session.down = session.prev_down = b""
-        for rid in {*session.beats.leases.owners(), *session.parked}:
+        for rid in held:
             req = self._requests.get(rid)
             if req is not None:
                 self._fail(now, req, reason)
@@ -1036,7 +855,7 @@ class Reader:
         self.stats.deferred += 1
         return ReadDeferred(until=req.defer_until, heartbeats=sent)
 
-    def _resync_deferred(self, now: float, session: _Session, seq: int) -> None:
+    def _resync_deferred(self, now: float, session: Session, seq: int) -> None:
         """A deferral's heartbeat was answered "resync": send the full list now, not at
         the next tick (a lease the holder detached from a lapsed session but still
         holds on its own deadline is re-attached by it), and wait for that answer."""
@@ -1070,7 +889,7 @@ class Reader:
             bound = max(bound, self._in_sync_bound(req, part, session, now))
         return bound
 
-    def _in_sync_bound(self, req: _Request, part: _Part, session: _Session, now: float) -> float:
+    def _in_sync_bound(self, req: _Request, part: _Part, session: Session, now: float) -> float:
         beats = session.beats
         return bounds.in_sync_bound(
             claimed_seq=part.claimed_seq,
@@ -1083,7 +902,7 @@ class Reader:
             now=now,
         )
 
-    def _interval(self, session: _Session) -> float:
+    def _interval(self, session: Session) -> float:
         params = session.params
         if params is not None:
             return params.interval
