@@ -557,8 +557,7 @@ class Reader:
 
     def _unsigned_no_session(self, now: float, session: Session, msg: wire.Reject) -> None:
         """An unsigned "no session": see :meth:`Session.heed_unsigned_no_session`."""
-        interval = self._interval(session) if session.state is _OPEN else math.inf
-        if session.heed_unsigned_no_session(now, msg.seq, interval):
+        if session.heed_unsigned_no_session(now, msg.seq, self._requests):
             self._on_reject(now, session, msg)
         else:
             self.stats.bad_mac += 1
@@ -569,7 +568,9 @@ class Reader:
             self._fail(now, self._requests[rid], FailReason.LEASE_LOST)
 
     def _hello(self, now: float, session: Session) -> None:
-        self._schedule(session, now + self._interval(session))  # re-Hello if no Welcome by then
+        self._schedule(
+            session, now + session.interval(self._requests)
+        )  # re-Hello if no Welcome by then
         payload = session.hello(now, self._entropy(16), session.anchor(self._requests))
         if payload is not None:
             self._out.append(SendFrame(peer=session.peer, payload=payload))
@@ -676,7 +677,7 @@ class Reader:
         beats = session.beats
         params = session.params
         if beats.leases.count or beats.pending_aborts:
-            interval = params.interval if params is not None else self._interval(session)
+            interval = params.interval if params is not None else session.interval(self._requests)
             self._schedule(session, now + interval)
         else:
             self._schedule(session, math.inf)
@@ -901,14 +902,6 @@ class Reader:
             ticket=req.ticket,
             now=now,
         )
-
-    def _interval(self, session: Session) -> float:
-        params = session.params
-        if params is not None:
-            return params.interval
-        for rid in session.beats.leases.owners():
-            return self._requests[rid].ticket.params.interval
-        return self.config.heartbeat_interval
 
     def _proof_of(self, request_id: str) -> bytes:
         return self._requests[request_id].proof

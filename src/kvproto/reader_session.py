@@ -265,6 +265,16 @@ class Session:
             self.stale_incarnations.pop()
         self.stale_incarnations.add(incarnation)
 
+    def interval(self, requests: Mapping[str, Tracked]) -> float:
+        """The heartbeat interval: the holder's advertised one; before a Welcome a held
+        ticket's, else the reader's own."""
+        params = self.params
+        if params is not None:
+            return params.interval
+        for rid in self.beats.leases.owners():
+            return requests[rid].ticket.params.interval
+        return self.side.config.heartbeat_interval
+
     # ------------------------------------------------------------ frames
 
     def authentic(self, data: bytes) -> bool:
@@ -280,12 +290,14 @@ class Session:
         key = auth.refusal_key(self.anchor_token, self.nonce, self.side.config.auth_secret)
         return bool(self.anchor_token) and wire.verify(key, data)
 
-    def heed_unsigned_no_session(self, now: float, seq: int, interval: float) -> bool:
+    def heed_unsigned_no_session(
+        self, now: float, seq: int, requests: Mapping[str, Tracked]
+    ) -> bool:
         """Whether an unsigned "no session" naming heartbeat ``seq`` makes us say Hello.
 
         A holder without our session cannot sign its "no session"; anyone could
         send one. Heeded only for a heartbeat we still wait on, and at most once a
-        heartbeat ``interval``: a forger can then cost one handshake an interval, and
+        heartbeat interval: a forger can then cost one handshake an interval, and
         the Welcome is followed by a heartbeat at once, so the leases stay renewed.
         """
         beat = self.beats.inflight.get(seq)
@@ -293,7 +305,7 @@ class Session:
             self.state is not _OPEN
             or beat is None
             or beat.acked_at is not None
-            or now < self.unsigned_rehello + interval
+            or now < self.unsigned_rehello + self.interval(requests)
         ):
             return False
         self.unsigned_rehello = now
