@@ -86,14 +86,20 @@ class Session:
     """The reader's session with one holder rank. See the module docstring."""
 
     side: ReaderSide
+    """The reader this session belongs to."""
     engine: str
+    """The holder's engine id."""
     rank: int
+    """The holder's TP rank."""
     serial: int
     """Creation order: due sessions are served in it."""
     state: SessionState = SessionState.IDLE
     peer: PeerId = ""
+    """The transport's name for the holder once connected ("" before)."""
     nonce: bytes = b""
+    """Our last Hello's nonce: its Welcome must echo it."""
     hello_sent: float = -math.inf
+    """When our last Hello left (local clock): the Welcome's clock sample starts there."""
     up: bytes = b""
     """Session key, reader → holder (kvproto.auth); empty before a Welcome."""
     down: bytes = b""
@@ -109,9 +115,13 @@ class Session:
     unsigned_rehello: float = -math.inf
     """When an unauthenticated "no session" last made us say Hello (once an interval)."""
     params: LeaseParams | None = None
+    """The holder's lease parameters, from its last Welcome (None before one)."""
     incarnation: int | None = None
+    """The holder incarnation that welcomed us last (None before a Welcome)."""
     beats: Beats = field(default_factory=Beats)
+    """The heartbeat side (kvproto.beats)."""
     skew: SkewEstimator = field(init=False)
+    """Clock-offset estimate towards this holder incarnation."""
     stale_incarnations: set[int] = field(default_factory=set)
     """Holder incarnations a Welcome proved gone (their tickets fail at once)."""
     parked: list[str] = field(default_factory=list)
