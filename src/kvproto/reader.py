@@ -131,6 +131,8 @@ class _Request:
     parts: dict[int, _Part]
     defer_until: float = math.inf
     """Deferred read: without the holder's answer by then, the request is declined."""
+    fail_reason: FailReason | None = None
+    """Why the request failed (None: it has not)."""
 
     @property
     def failed(self) -> bool:
@@ -281,13 +283,17 @@ class Reader:
 
         ``ReadDeferred``: the bound was too close only for lack of a recent
         acknowledgement; a heartbeat left early. Call again on a later step.
-        Misuse (:class:`LocalProtocolError`): an id not tracked, a request that
-        already failed (its ``RequestFailed`` came out of :meth:`drain` before
-        this call could be made), or one without open sessions (:meth:`ready_to_read`).
+        A request that already failed (it can fail between the caller's checks
+        and this call: a race) is declined with its failure's reason and counted
+        in ``stats.reads_after_failure``. Misuse (:class:`LocalProtocolError`):
+        an id not tracked, or one without open sessions (:meth:`ready_to_read`).
         """
         req = self._get(request_id)
-        if req.failed:
-            raise LocalProtocolError(f"request {request_id!r} already failed")
+        if req.fail_reason is not None:
+            for part in req.parts.values():
+                part.state = read_next(part.state, _ON_BEGIN_READ)  # the table: it stays failed
+            self.stats.reads_after_failure += 1
+            return ReadDeclined(reason=req.fail_reason)
         if not self.ready_to_read(request_id):
             raise LocalProtocolError(f"request {request_id!r} has no open session yet")
         margin = bounds.read_margin(self.config.read_margin, req.ticket)
@@ -761,6 +767,7 @@ class Reader:
         if req.confirmed or (req.parts and req.failed):
             return
         self._deferred.discard(req.request_id)
+        req.fail_reason = reason
         if reason in (FailReason.LEASE_LOST, FailReason.REVOKED):
             self.stats.lost += 1
         for rank, part in req.parts.items():

@@ -335,6 +335,9 @@ READ_TRANSITIONS: dict[tuple[ReadState, ReadInput], ReadState] = {
     (_R.CONFIRMED, _I.ACK_HELD): _R.CONFIRMED,
     (_R.CONFIRMED, _I.FINISH): _R.CONFIRMED,
     (_R.CONFIRMED, _I.FAIL): _R.FAILED,
+    # A request can fail between the caller's checks and begin_read (a race): it
+    # stays failed and the reader declines it.
+    (_R.FAILED, _I.BEGIN_READ): _R.FAILED,
     (_R.FAILED, _I.CLAIM_ACKED): _R.FAILED,
     (_R.FAILED, _I.READ_DONE): _R.FAILED,
     (_R.FAILED, _I.ACK_HELD): _R.FAILED,
@@ -352,9 +355,11 @@ is remembered and applied at READ_DONE. A read can fail (lost, revoked, no
 ack) while its transfer is still in flight, hence ``(FAILED, READ_DONE)``: the
 late completion changes nothing. The terminal states take every input but the
 local decisions (DEFER, BEGIN_READ) and stay: a request that failed or finished
-is not read. DEFERRED has no DEFER row: a request is deferred at most once.
-Pairs still absent (a DEFER or BEGIN_READ after the read began or ended, a
-READ_DONE before any read) are calls the reader never makes."""
+is not read -- except ``(FAILED, BEGIN_READ)``: a request can fail between the
+caller's checks and its begin_read, which declines it. DEFERRED has no DEFER
+row: a request is deferred at most once. Pairs still absent (a DEFER or
+BEGIN_READ after the read began or ended, a READ_DONE before any read) are
+calls the reader never makes."""
 
 
 def read_next(state: ReadState, event: ReadInput) -> ReadState:

@@ -118,6 +118,9 @@ class ReaderStats:
     """Requests whose reads every holder rank confirmed."""
     declined: int = 0
     """Reads not started because the lease might end first."""
+    reads_after_failure: int = 0
+    """``begin_read`` of a request that had failed since the caller's checks (a race):
+    declined with the failure's reason."""
     deferred: int = 0
     """Reads put off for one early heartbeat instead of declined (at most once a request)."""
     fenced: int = 0

@@ -25,7 +25,6 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import cast
 
-from kvproto.errors import LocalProtocolError
 from kvproto.events import ReadDeclined, ReadDeferred, RequestFailed
 from kvproto.reader import Reader
 from kvproto.transport import TransportError
@@ -233,7 +232,7 @@ class ReaderSide:
                     local_blocks=read.recv.local_block_ids,
                     remote_blocks=read.recv.remote_block_ids,
                 )
-            except (TransportError, LocalProtocolError) as exc:
+            except TransportError as exc:
                 # The binding only absorbs unreachable peers; a layout or registration
                 # mismatch surfaces here. Fail the request rather than the step.
                 self.counters.read_errors += 1

@@ -64,8 +64,11 @@ def test_no_answer_to_the_early_heartbeat_declines_at_the_bounded_time() -> None
     assert pair.failed == [RequestFailed(request_id="r1", reason=FailReason.DEADLINE_TOO_CLOSE)]
     assert pair.reader.state("r1") == {0: ReadState.FAILED}
     assert pair.reader.stats.declined == 1
-    with pytest.raises(LocalProtocolError):
-        pair.reader.begin_read(41.0, "r1")
+    # A begin_read racing the failure is declined with its reason, not misuse.
+    assert pair.reader.begin_read(41.0, "r1") == ReadDeclined(reason=FailReason.DEADLINE_TOO_CLOSE)
+    assert pair.reader.stats.reads_after_failure == 1
+    assert pair.reader.state("r1") == {0: ReadState.FAILED}
+    assert pair.reader.stats.declined == 1
 
 
 def test_a_retry_after_the_bounded_wait_declines_without_the_timer() -> None:
