@@ -71,7 +71,14 @@ from kvproto.events import (
     SendFrame,
 )
 from kvproto.reader_session import ReaderSide, Session, WelcomeProblem
-from kvproto.states import ReadInput, ReadState, SessionState, read_next
+from kvproto.states import (
+    DoneAckAction,
+    ReadInput,
+    ReadState,
+    SessionState,
+    done_ack_action,
+    read_next,
+)
 from kvproto.stats import ReaderStats
 from kvproto.ticket import LeaseTicket, claim_proof, ticket_problem
 from kvproto.tpmath import read_slices, target_remote_ranks
@@ -103,6 +110,9 @@ _OPEN = SessionState.OPEN
 _READING = ReadState.READING
 _STARTED = frozenset({_READING, _AWAITING_ACK})
 _TARGETS_KEEP = 64
+_HELD = wire.DoneVerdict.HELD
+_REFUSED = wire.DoneVerdict.REFUSED
+_VERDICTS = {int(v): v for v in wire.DoneVerdict}
 
 
 @dataclass(slots=True)
@@ -640,7 +650,9 @@ class Reader:
         if req is None or part is None:
             self.stats.unexpected_frames += 1
             return
-        if msg.verdict == wire.DoneVerdict.HELD:
+        # A verdict value this version does not know vouches for nothing: as REFUSED.
+        verdict = _VERDICTS.get(msg.verdict, _REFUSED)
+        if verdict is _HELD:
             proof = auth.verdict_proof(
                 req.ticket.token,
                 lease=msg.lease,
@@ -653,15 +665,15 @@ class Reader:
                 # (learnt from another, stolen, ticket) can make us trust one.
                 self.stats.bad_mac += 1
                 return
-            if part.state is _READING:
-                part.early_held = True
-            elif part.state is _AWAITING_ACK:
-                self._held(req, part)
-            else:
-                self.stats.unexpected_frames += 1
-        elif part.state in _STARTED:
+        action = done_ack_action(part.state, verdict)
+        if action is DoneAckAction.REMEMBER_HELD:
+            part.state = read_next(part.state, _ON_ACK_HELD)
+            part.early_held = True
+        elif action is DoneAckAction.CONFIRM:
+            self._held(req, part)
+        elif action is DoneAckAction.FENCE:
             self.stats.fenced += 1
-            late = msg.verdict == wire.DoneVerdict.LATE
+            late = verdict is wire.DoneVerdict.LATE
             self._fail(now, req, FailReason.FENCED_LATE if late else FailReason.REFUSED)
         else:
             self.stats.unexpected_frames += 1

@@ -372,6 +372,39 @@ def read_next(state: ReadState, event: ReadInput) -> ReadState:
         ) from None
 
 
+class DoneAckAction(enum.Enum):
+    """What the reader makes of a holder's verdict on one part's done."""
+
+    REMEMBER_HELD = "remember-held"
+    """HELD overtook the local read-complete report: applied at READ_DONE."""
+    CONFIRM = "confirm"
+    """HELD for a finished read: the part is confirmed (ACK_HELD)."""
+    FENCE = "fence"
+    """LATE or REFUSED for a read that began: the request fails and recomputes."""
+    IGNORE = "ignore"
+    """A verdict for no read in flight (duplicated, or a bad peer): counted, dropped."""
+
+    __hash__ = object.__hash__  # identity hash in C (see LeaseState)
+
+
+_A = DoneAckAction
+_V = DoneVerdict
+_STARTED = (_R.READING, _R.AWAITING_ACK)
+DONE_ACK_ACTIONS: dict[tuple[ReadState, DoneVerdict], DoneAckAction] = {
+    (_R.READING, _V.HELD): _A.REMEMBER_HELD,
+    (_R.AWAITING_ACK, _V.HELD): _A.CONFIRM,
+    **{(s, v): _A.FENCE for s in _STARTED for v in (_V.LATE, _V.REFUSED)},
+    **{(s, v): _A.IGNORE for s in ReadState if s not in _STARTED for v in DoneVerdict},
+}
+"""The reader's answer to a DoneAck, by the part's state and the verdict; the state a
+HELD moves the part to is in :data:`READ_TRANSITIONS` (``ACK_HELD``)."""
+
+
+def done_ack_action(state: ReadState, verdict: DoneVerdict) -> DoneAckAction:
+    """The row for a verdict in ``state``; a missing pair is a LocalProtocolError."""
+    return _row(DONE_ACK_ACTIONS, state, verdict, "read verdict")
+
+
 class SessionState(enum.Enum):
     """Reader-side state of its session with one holder rank."""
 

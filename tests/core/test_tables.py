@@ -9,11 +9,13 @@ from hypothesis import strategies as st
 
 from kvproto.errors import LocalProtocolError
 from kvproto.states import (
+    DONE_ACK_ACTIONS,
     DONE_VERDICTS,
     LEASE_TRANSITIONS,
     PEER_SESSION_TRANSITIONS,
     READ_TRANSITIONS,
     SESSION_TRANSITIONS,
+    DoneAckAction,
     LeaseInput,
     LeaseState,
     PeerSessionInput,
@@ -22,6 +24,7 @@ from kvproto.states import (
     ReadState,
     SessionInput,
     SessionState,
+    done_ack_action,
     done_verdict,
     lease_next,
     peer_session_next,
@@ -170,6 +173,21 @@ def test_held_is_only_vouched_for_by_a_live_lease_or_the_release_it_caused() -> 
         if event is LeaseInput.FOREIGN_DONE:
             assert verdict is DoneVerdict.REFUSED
             assert LEASE_TRANSITIONS[(state, event)] is state  # never counts
+
+
+def test_the_reader_has_an_answer_to_every_verdict_in_every_read_state() -> None:
+    # A DoneAck is peer input: no (state, verdict) pair may raise.
+    assert set(DONE_ACK_ACTIONS) == {(s, v) for s in ReadState for v in DoneVerdict}
+    for (state, verdict), action in DONE_ACK_ACTIONS.items():
+        assert done_ack_action(state, verdict) is action
+        started = state in (ReadState.READING, ReadState.AWAITING_ACK)
+        assert (action is DoneAckAction.IGNORE) is not started, (state, verdict)
+        if action is DoneAckAction.CONFIRM:  # only a finished read is confirmed, by HELD
+            assert verdict is DoneVerdict.HELD
+            assert read_next(state, ReadInput.ACK_HELD) is ReadState.CONFIRMED
+        if action is DoneAckAction.REMEMBER_HELD:
+            assert verdict is DoneVerdict.HELD
+            assert read_next(state, ReadInput.ACK_HELD) is state
 
 
 def test_a_peer_session_opens_only_from_absent_and_every_one_can_be_lost() -> None:
