@@ -1,47 +1,20 @@
 """The reader: heartbeats leases from scheduler entry, reads, and trusts data only when fenced.
 
 Sans-I/O like :mod:`kvproto.holder`. One :class:`Reader` serves one reader
-rank. For each holder rank it reads from it keeps a *session*
-(:mod:`kvproto.reader_session`: Hello, Welcome, keys, holder incarnations):
-the binding is asked to make the holder reachable
-(:class:`~kvproto.events.Connect`), the reader says Hello, and once welcomed
-sends one heartbeat per tick (the holder's advertised interval). What a
-heartbeat carries -- changes until acknowledged, plus the count and digest of
-the session's lease set -- is :mod:`kvproto.beats`; what the reader can prove
-about the holder's deadline is :mod:`kvproto.bounds`. This module keeps the
-requests and ties the three together: it fails requests and emits outputs on
-the session's answers.
-
-Reads are fenced twice:
-
-* before: :meth:`Reader.begin_read` declines when the lease may end within
-  ``read_margin`` -- judged from a lower bound on the holder's deadline built
-  from acknowledged heartbeats (relative durations, no clock sync needed) or,
-  before any, from the ticket's deadline converted with the session's clock
-  offset estimate;
-* but a bound can be close only because it is stale: after a long forward
-  step no heartbeat left for many seconds, though one round trip would renew
-  the lease to ``now + extension``. So when the bound is too close and the
-  lease is not known to be ending (session open, same holder incarnation,
-  ``max_hold`` not within the margin) ``begin_read`` sends the session's
-  heartbeat at once -- its normal one, early: the next tick is counted from
-  it -- and answers :class:`~kvproto.events.ReadDeferred` instead of
-  declining. The caller asks again on a later step: once the holder
-  acknowledged that heartbeat the decision is final (go, or decline for
-  real); without an acknowledgement by ``now + ack_timeout`` the reader fails
-  the request itself, as the immediate decline would have. One deferral per
-  request (the state table has no second one), so nothing can livelock. The
-  deferral only delays the decision; it proves nothing by itself;
-* after: the done frame rides the READ; the loaded blocks count only after the
-  holder answers HELD (the lease was live when the done arrived, hence for the
-  whole read). LATE, REFUSED or silence for ``ack_timeout`` fail the request
-  so it is recomputed, never served from blocks that may have been reused.
+rank; it keeps the requests and ties the parts together: sessions with the
+holder ranks (:mod:`kvproto.reader_session`), what a heartbeat carries
+(:mod:`kvproto.beats`), deadline maths (:mod:`kvproto.bounds`), and the
+per-request bounds and read deferral (:mod:`kvproto.reader_requests`). Reads
+are fenced before (:meth:`Reader.begin_read` declines, or defers once for an
+early heartbeat, when the lease may end within ``read_margin``) and after
+(the data counts only once the holder answers HELD to the done that rode the
+read): spec/timing.md and spec/state-tables.md say why and how.
 
 Races are inputs, not errors: a read result or a ``finish`` for a request no
-longer tracked, or ``connected`` for a session that broke meanwhile, is
-counted in :class:`~kvproto.stats.ReaderStats` and ignored.
-:class:`~kvproto.errors.LocalProtocolError` means API misuse only (each
-method's docstring says which).
+longer tracked, a ``begin_read`` for one that failed meanwhile, or
+``connected`` for a session that broke meanwhile, is counted in
+:class:`~kvproto.stats.ReaderStats`. :class:`~kvproto.errors.LocalProtocolError`
+means API misuse only (each method's docstring says which).
 """
 
 from __future__ import annotations
@@ -52,7 +25,6 @@ import itertools
 import math
 import secrets
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from kvproto import auth, bounds, wire
 from kvproto.clock import SkewEstimator, SkewSample
@@ -70,6 +42,15 @@ from kvproto.events import (
     RequestFailed,
     SendFrame,
 )
+from kvproto.reader_requests import (
+    Deferrals,
+    Part,
+    Request,
+    SessionKey,
+    deadline_bound,
+    in_sync_bound,
+    renewable,
+)
 from kvproto.reader_session import ReaderSide, Session, WelcomeProblem
 from kvproto.states import (
     DoneAckAction,
@@ -84,17 +65,12 @@ from kvproto.ticket import LeaseTicket, claim_proof, ticket_problem
 from kvproto.tpmath import read_slices, target_remote_ranks
 from kvproto.transport import PeerId
 
-SessionKey = tuple[str, int]
-"""(holder engine, holder rank)."""
-
 _HOLDER_ALREADY_ENDED = frozenset(
     {FailReason.LEASE_LOST, FailReason.REVOKED, FailReason.HOLDER_RESTARTED}
 )
 # Enum members as module constants: CPython 3.11 resolves ``State.MEMBER`` through
 # a descriptor, ~10x a global's cost, and these are read on every track, tick and ack.
 _AWAITING_ACK = ReadState.AWAITING_ACK
-_CONFIRMED = ReadState.CONFIRMED
-_FAILED = ReadState.FAILED
 _CONNECTING = SessionState.CONNECTING
 _FINISHED = ReadState.FINISHED
 _HELLO_SENT = SessionState.HELLO_SENT
@@ -102,7 +78,6 @@ _IDLE = SessionState.IDLE
 _ON_ACK_HELD = ReadInput.ACK_HELD
 _ON_BEGIN_READ = ReadInput.BEGIN_READ
 _ON_CLAIM_ACKED = ReadInput.CLAIM_ACKED
-_ON_DEFER = ReadInput.DEFER
 _ON_FAIL = ReadInput.FAIL
 _ON_FINISH = ReadInput.FINISH
 _ON_READ_DONE = ReadInput.READ_DONE
@@ -113,51 +88,6 @@ _TARGETS_KEEP = 64
 _HELD = wire.DoneVerdict.HELD
 _REFUSED = wire.DoneVerdict.REFUSED
 _VERDICTS = {int(v): v for v in wire.DoneVerdict}
-
-
-@dataclass(slots=True)
-class _Part:
-    """A request's relation to one holder rank."""
-
-    rank: int
-    state: ReadState = ReadState.TRACKED
-    lower_bound: float = -math.inf
-    claimed_seq: float = math.inf
-    early_held: bool = False
-    done_frame: bytes = b""
-    ack_deadline: float = math.inf
-    next_resend: float = math.inf
-    resends: int = 0
-    defer_seq: int = -1
-    """Deferred read: the heartbeat seq whose acknowledgement settles it (-1: none awaited)."""
-
-
-@dataclass(slots=True)
-class _Request:
-    request_id: str
-    ticket: LeaseTicket
-    proof: bytes
-    tracked_at: float
-    parts: dict[int, _Part]
-    defer_until: float = math.inf
-    """Deferred read: without the holder's answer by then, the request is declined."""
-    fail_reason: FailReason | None = None
-    """Why the request failed (None: it has not)."""
-
-    @property
-    def failed(self) -> bool:
-        """The request failed (a request with no holder rank failed at track)."""
-        return not self.parts or any(p.state is _FAILED for p in self.parts.values())
-
-    @property
-    def confirmed(self) -> bool:
-        """Every holder rank confirmed the read."""
-        return bool(self.parts) and all(p.state is _CONFIRMED for p in self.parts.values())
-
-    def claim_acked(self, rank: int) -> bool:
-        """The holder rank ``rank`` acknowledged this request's claim."""
-        part = self.parts.get(rank)
-        return part is not None and part.claimed_seq < math.inf
 
 
 class Reader:
@@ -186,12 +116,12 @@ class Reader:
             engine=engine, rank=rank, tp_size=tp_size, incarnation=incarnation, config=config
         )
         self._drift = config.max_drift_ppm * 1e-6
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, Request] = {}
         self._sessions: dict[SessionKey, Session] = {}
         self._by_peer: dict[PeerId, list[Session]] = {}
         self._awaiting: set[tuple[str, int]] = set()
         self._by_lease: dict[tuple[str, int], str] = {}
-        self._deferred: set[str] = set()
+        self._deferrals = Deferrals(self._requests, self._sessions, config.ack_timeout)
         self._targets: dict[int, tuple[int, ...]] = {}
         """Holder TP size → the holder ranks this rank reads from (empty: they do not divide)."""
         self._timers: list[tuple[float, int, int, Session]] = []
@@ -217,8 +147,8 @@ class Reader:
                 ticket.holder_tp_size
             )
         proof = claim_proof(ticket.token, self.engine, ticket.lease) if targets else b""
-        parts = dict(zip(targets, map(_Part, targets), strict=True))
-        req = _Request(request_id, ticket, proof, now, parts)
+        parts = dict(zip(targets, map(Part, targets), strict=True))
+        req = Request(request_id, ticket, proof, now, parts)
         self._requests[request_id] = req
         if not targets:
             self._fail(now, req, FailReason.BAD_TICKET)
@@ -268,7 +198,7 @@ class Reader:
             self.stats.untracked_finishes += 1
             return
         self._pop(req)
-        self._deferred.discard(request_id)
+        self._deferrals.ids.discard(request_id)
         for part in req.parts.values():
             part.state = read_next(part.state, _ON_FINISH)
             if part.state is _FINISHED:  # not read, or not confirmed
@@ -310,14 +240,17 @@ class Reader:
         close = [r for r in req.parts if now + margin >= self._deadline_bound(req, r, now)]
         if close:
             deferred = req.defer_until < math.inf  # once deferred, never again
-            if deferred and now < req.defer_until and not self._settled(req):
+            if deferred and now < req.defer_until and not self._deferrals.settled(req):
                 return ReadDeferred(until=req.defer_until, heartbeats=0)
-            if not deferred and all(self._renewable(req, r, now, margin) for r in close):
-                return self._defer(now, req, close)
-            self.stats.declined += 1
-            self._fail(now, req, FailReason.DEADLINE_TOO_CLOSE)
+            engine, drift = req.ticket.holder_engine, self._drift
+            if not deferred and all(
+                renewable(req, self._sessions[(engine, r)], now, margin, drift) for r in close
+            ):
+                self.stats.deferred += 1
+                return self._deferrals.defer(now, req, close, self._beat)
+            self._decline(now, req)
             return ReadDeclined(reason=FailReason.DEADLINE_TOO_CLOSE)
-        self._deferred.discard(request_id)
+        self._deferrals.ids.discard(request_id)
         orders = []
         done = wire.Done(claim=wire.Claim(lease=req.ticket.lease, proof=req.proof))
         for rank, part in req.parts.items():
@@ -454,10 +387,7 @@ class Reader:
         while timers and timers[0][3].beats.next_beat != timers[0][0]:
             heapq.heappop(timers)  # rescheduled since
         best = timers[0][0] if timers else math.inf
-        for rid in self._deferred:
-            req = self._requests[rid]
-            if not self._settled(req):
-                best = min(best, req.defer_until)
+        best = min(best, self._deferrals.next_due())
         for rid, rank in self._awaiting:
             part = self._requests[rid].parts[rank]
             best = min(best, part.ack_deadline, part.next_resend)
@@ -470,8 +400,8 @@ class Reader:
             self._serve_sessions(now)
         if self._awaiting:
             self._resend_dones(now)
-        if self._deferred:
-            self._expire_deferred(now)
+        if self._deferrals.ids:
+            self._deferrals.expire(now, lambda req: self._decline(now, req))
 
     def _serve_sessions(self, now: float) -> None:
         for session in self._due_sessions(now):
@@ -485,16 +415,10 @@ class Reader:
             else:
                 self._schedule(session, math.inf)
 
-    def _expire_deferred(self, now: float) -> None:
-        for rid in list(self._deferred):
-            req = self._requests[rid]
-            if self._settled(req):
-                self._deferred.discard(rid)  # answered: the caller's next begin_read decides
-            elif req.defer_until <= now:
-                # The holder did not answer the early heartbeat in time: decline, as
-                # begin_read would have without the deferral.
-                self.stats.declined += 1
-                self._fail(now, req, FailReason.DEADLINE_TOO_CLOSE)
+    def _decline(self, now: float, req: Request) -> None:
+        """The lease may end before the read would: the request recomputes."""
+        self.stats.declined += 1
+        self._fail(now, req, FailReason.DEADLINE_TOO_CLOSE)
 
     def drain(self) -> list[ReaderOutput]:
         """Everything the binding must do now, in order."""
@@ -643,7 +567,7 @@ class Reader:
             beats.pending_claims.pop(lease, None)
             self._lease_failed(now, session, lease, FailReason.LEASE_LOST)
         if beats.compared(ack.seq, sent, resync=ack.resync):
-            self._resync_deferred(now, session, ack.seq)
+            self._deferrals.resync(now, session, ack.seq, self._beat)
 
     def _on_done_ack(self, now: float, session: Session, msg: wire.DoneAck) -> None:
         req, part = self._find(session, msg.lease)
@@ -690,8 +614,8 @@ class Reader:
         session.rejected(self._proof_of)
         self._hello(now, session)
 
-    def _beat(self, now: float, session: Session) -> None:
-        """Send this tick's heartbeat(s) (:meth:`kvproto.beats.Beats.frames`)."""
+    def _beat(self, now: float, session: Session) -> int:
+        """Send this tick's heartbeat(s) (:meth:`kvproto.beats.Beats.frames`); how many."""
         beats = session.beats
         params = session.params
         if beats.leases.count or beats.pending_aborts:
@@ -702,12 +626,15 @@ class Reader:
         if beats.want_full:
             self.stats.resyncs += 1
         stats, out, peer = self.stats, self._out, session.peer
+        sent = 0
         for payload in beats.frames(
             now, key=session.up, budget=self.config.frame_budget, proof_of=self._proof_of
         ):
-            stats.heartbeats_sent += 1
+            sent += 1
             stats.heartbeat_bytes += len(payload)
             out.append(SendFrame(peer=peer, payload=payload))
+        stats.heartbeats_sent += sent
+        return sent
 
     # ------------------------------------------------------------ helpers
 
@@ -740,7 +667,7 @@ class Reader:
         if session.need():
             self._out.append(Connect(engine=session.engine, rank=session.rank))
 
-    def _attach(self, session: Session, req: _Request) -> None:
+    def _attach(self, session: Session, req: Request) -> None:
         """The session heartbeats ``req``'s lease from now on (claim in the next beat)."""
         lease = req.ticket.lease
         self._by_lease[(session.engine, lease)] = req.request_id
@@ -755,11 +682,12 @@ class Reader:
         if req is not None and part is not None:
             # Later in-sync heartbeats no longer cover this lease: keep what the
             # earlier ones proved, and stop deriving anything new from them.
-            part.lower_bound = max(part.lower_bound, self._in_sync_bound(req, part, session, now))
+            in_sync = in_sync_bound(req, part, session, now, self._drift)
+            part.lower_bound = max(part.lower_bound, in_sync)
         beats.release(lease)
         return True
 
-    def _abort_at(self, now: float, req: _Request, rank: int) -> None:
+    def _abort_at(self, now: float, req: Request, rank: int) -> None:
         session = self._sessions[(req.ticket.holder_engine, rank)]
         lease = req.ticket.lease
         if req.request_id in session.parked:
@@ -775,10 +703,10 @@ class Reader:
             # for a whole lease (vLLM #41269).
             session.beats.pending_aborts[lease] = req.proof
 
-    def _fail(self, now: float, req: _Request, reason: FailReason) -> None:
+    def _fail(self, now: float, req: Request, reason: FailReason) -> None:
         if req.confirmed or (req.parts and req.failed):
             return
-        self._deferred.discard(req.request_id)
+        self._deferrals.ids.discard(req.request_id)
         req.fail_reason = reason
         if reason in (FailReason.LEASE_LOST, FailReason.REVOKED):
             self.stats.lost += 1
@@ -795,7 +723,7 @@ class Reader:
                 self._release(now, session, req.ticket.lease, req.request_id)
         self._out.append(RequestFailed(request_id=req.request_id, reason=reason))
 
-    def _held(self, req: _Request, part: _Part) -> None:
+    def _held(self, req: Request, part: Part) -> None:
         part.state = read_next(part.state, _ON_ACK_HELD)
         self._awaiting.discard((req.request_id, part.rank))
         if req.confirmed:
@@ -808,7 +736,7 @@ class Reader:
             return
         self._fail(now, req, reason)
 
-    def _find(self, session: Session, lease: int) -> tuple[_Request | None, _Part | None]:
+    def _find(self, session: Session, lease: int) -> tuple[Request | None, Part | None]:
         rid = self._by_lease.get((session.engine, lease))
         req = None if rid is None else self._requests.get(rid)
         return req, None if req is None else req.parts.get(session.rank)
@@ -826,112 +754,20 @@ class Reader:
             if rank == session.rank and req.ticket.holder_engine == session.engine:
                 self._fail(now, req, reason)
 
-    # ------------------------------------------------------------ bounds
-
-    def _renewable(self, req: _Request, rank: int, now: float, margin: float) -> bool:
-        """Whether one heartbeat could move this part's bound past the margin.
-
-        True unless the lease is known to be ending whatever the reader sends: a
-        ticket of another holder incarnation, a lease this session does not
-        heartbeat, the holder's max_hold cap within the margin, or a lease that
-        already lapsed by the session's own record (:func:`kvproto.bounds.lapsed`).
-        (LATE, REFUSED, lost or revoked leases have failed the request already.)
-        """
+    def _deadline_bound(self, req: Request, rank: int, now: float) -> float:
         session = self._sessions[(req.ticket.holder_engine, rank)]
-        params = session.params
-        return (
-            session.state is _OPEN
-            and params is not None
-            and session.incarnation == req.ticket.holder_incarnation
-            and session.beats.leases.owner(req.ticket.lease) == req.request_id
-            and margin < params.extension * (1 - self._drift)
-            and now + margin < bounds.hard_bound(session.skew, req.ticket, params, now)
-            and not bounds.lapsed(
-                tracked_at=req.tracked_at,
-                ticket=req.ticket,
-                extension=params.extension,
-                beats=session.beats.inflight.values(),
-                drift=self._drift,
-                now=now,
-            )
-        )
-
-    def _defer(self, now: float, req: _Request, close: list[int]) -> ReadDeferred:
-        """Heartbeat the sessions of the ``close`` parts now; decide when they answer."""
-        sent = 0
-        for rank in close:
-            session = self._sessions[(req.ticket.holder_engine, rank)]
-            beats = session.beats
-            if beats.last_beat < now or beats.acked_seq >= beats.seq:
-                before = self.stats.heartbeats_sent
-                self._beat(now, session)  # the session's normal heartbeat, early
-                sent += self.stats.heartbeats_sent - before
-            # The last frame of the beat states the whole set: its ack settles the part.
-            req.parts[rank].defer_seq = beats.seq
-        for part in req.parts.values():
-            part.state = read_next(part.state, _ON_DEFER)
-        req.defer_until = now + self.config.ack_timeout
-        self._deferred.add(req.request_id)
-        self.stats.deferred += 1
-        return ReadDeferred(until=req.defer_until, heartbeats=sent)
-
-    def _resync_deferred(self, now: float, session: Session, seq: int) -> None:
-        """A deferral's heartbeat was answered "resync": send the full list now, not at
-        the next tick (a lease the holder detached from a lapsed session but still
-        holds on its own deadline is re-attached by it), and wait for that answer."""
-        waiting = [
-            part
-            for rid in self._deferred
-            if (req := self._requests[rid]).ticket.holder_engine == session.engine
-            and (part := req.parts.get(session.rank)) is not None
-            and part.defer_seq == seq
-        ]
-        if not waiting:
-            return
-        self._beat(now, session)
-        for part in waiting:
-            part.defer_seq = session.beats.seq
-
-    def _settled(self, req: _Request) -> bool:
-        """Every heartbeat a deferred read waits for has been acknowledged."""
-        return all(
-            part.defer_seq <= self._sessions[(req.ticket.holder_engine, rank)].beats.acked_seq
-            for rank, part in req.parts.items()
-        )
-
-    def _deadline_bound(self, req: _Request, rank: int, now: float) -> float:
-        session = self._sessions[(req.ticket.holder_engine, rank)]
-        part = req.parts[rank]
-        if session.incarnation is not None and req.ticket.holder_incarnation != session.incarnation:
-            return -math.inf  # a ticket of another holder process: nothing is known
-        bound = max(part.lower_bound, bounds.ticket_bound(session.skew, req.ticket, now))
-        if session.beats.leases.owner(req.ticket.lease) == req.request_id:
-            bound = max(bound, self._in_sync_bound(req, part, session, now))
-        return bound
-
-    def _in_sync_bound(self, req: _Request, part: _Part, session: Session, now: float) -> float:
-        beats = session.beats
-        return bounds.in_sync_bound(
-            claimed_seq=part.claimed_seq,
-            in_sync_seq=beats.in_sync_seq,
-            in_sync_since=beats.in_sync_since,
-            params=session.params,
-            drift=self._drift,
-            skew=session.skew,
-            ticket=req.ticket,
-            now=now,
-        )
+        return deadline_bound(req, req.parts[rank], session, now, self._drift)
 
     def _proof_of(self, request_id: str) -> bytes:
         return self._requests[request_id].proof
 
-    def _get(self, request_id: str) -> _Request:
+    def _get(self, request_id: str) -> Request:
         req = self._requests.get(request_id)
         if req is None:
             raise LocalProtocolError(f"request {request_id!r} is not tracked")
         return req
 
-    def _result_of(self, request_id: str, rank: int) -> _Request | None:
+    def _result_of(self, request_id: str, rank: int) -> Request | None:
         """The request a transfer result is for; None (counted) if it is no longer tracked."""
         req = self._requests.get(request_id)
         if req is None:
@@ -941,7 +777,7 @@ class Reader:
             raise LocalProtocolError(f"request {request_id!r} does not read from rank {rank}")
         return req
 
-    def _pop(self, req: _Request) -> None:
+    def _pop(self, req: Request) -> None:
         del self._requests[req.request_id]
         key = (req.ticket.holder_engine, req.ticket.lease)
         if self._by_lease.get(key) == req.request_id:  # lease ids repeat across incarnations

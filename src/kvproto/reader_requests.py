@@ -1,0 +1,215 @@
+"""A reader's tracked requests: what it can prove about their deadlines, and the one deferral.
+
+:class:`Request` and its per-holder-rank :class:`Part` are the reader's data;
+the functions here read them with the holder rank's
+:class:`~kvproto.reader_session.Session` (the maths is :mod:`kvproto.bounds`).
+:class:`Deferrals` keeps the reads put off for one early heartbeat (see
+``Reader.begin_read`` and spec/timing.md). Nothing here sends or fails
+anything itself: the reader passes its heartbeat in and acts on the answers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+from kvproto import bounds
+from kvproto.events import FailReason, ReadDeferred
+from kvproto.reader_session import Session
+from kvproto.states import ReadInput, ReadState, SessionState, read_next
+from kvproto.ticket import LeaseTicket
+
+SessionKey = tuple[str, int]
+"""(holder engine, holder rank)."""
+
+_CONFIRMED = ReadState.CONFIRMED
+_FAILED = ReadState.FAILED
+_ON_DEFER = ReadInput.DEFER
+_OPEN = SessionState.OPEN
+
+
+@dataclass(slots=True)
+class Part:
+    """A request's relation to one holder rank."""
+
+    rank: int
+    state: ReadState = ReadState.TRACKED
+    lower_bound: float = -math.inf
+    claimed_seq: float = math.inf
+    early_held: bool = False
+    done_frame: bytes = b""
+    ack_deadline: float = math.inf
+    next_resend: float = math.inf
+    resends: int = 0
+    defer_seq: int = -1
+    """Deferred read: the heartbeat seq whose acknowledgement settles it (-1: none awaited)."""
+
+
+@dataclass(slots=True)
+class Request:
+    """One tracked request: its ticket and one :class:`Part` per holder rank it reads from."""
+
+    request_id: str
+    ticket: LeaseTicket
+    proof: bytes
+    tracked_at: float
+    parts: dict[int, Part]
+    defer_until: float = math.inf
+    """Deferred read: without the holder's answer by then, the request is declined."""
+    fail_reason: FailReason | None = None
+    """Why the request failed (None: it has not)."""
+
+    @property
+    def failed(self) -> bool:
+        """The request failed (a request with no holder rank failed at track)."""
+        return not self.parts or any(p.state is _FAILED for p in self.parts.values())
+
+    @property
+    def confirmed(self) -> bool:
+        """Every holder rank confirmed the read."""
+        return bool(self.parts) and all(p.state is _CONFIRMED for p in self.parts.values())
+
+    def claim_acked(self, rank: int) -> bool:
+        """The holder rank ``rank`` acknowledged this request's claim."""
+        part = self.parts.get(rank)
+        return part is not None and part.claimed_seq < math.inf
+
+
+# ------------------------------------------------------------ bounds
+
+
+def in_sync_bound(req: Request, part: Part, session: Session, now: float, drift: float) -> float:
+    """What the session's in-sync heartbeats prove about ``part``'s deadline."""
+    beats = session.beats
+    return bounds.in_sync_bound(
+        claimed_seq=part.claimed_seq,
+        in_sync_seq=beats.in_sync_seq,
+        in_sync_since=beats.in_sync_since,
+        params=session.params,
+        drift=drift,
+        skew=session.skew,
+        ticket=req.ticket,
+        now=now,
+    )
+
+
+def deadline_bound(req: Request, part: Part, session: Session, now: float, drift: float) -> float:
+    """A lower bound on the local time the holder rank may free ``part``'s blocks."""
+    if session.incarnation is not None and req.ticket.holder_incarnation != session.incarnation:
+        return -math.inf  # a ticket of another holder process: nothing is known
+    bound = max(part.lower_bound, bounds.ticket_bound(session.skew, req.ticket, now))
+    if session.beats.leases.owner(req.ticket.lease) == req.request_id:
+        bound = max(bound, in_sync_bound(req, part, session, now, drift))
+    return bound
+
+
+def renewable(req: Request, session: Session, now: float, margin: float, drift: float) -> bool:
+    """Whether one heartbeat could move this part's bound past the margin.
+
+    True unless the lease is known to be ending whatever the reader sends: a
+    ticket of another holder incarnation, a lease this session does not
+    heartbeat, the holder's max_hold cap within the margin, or a lease that
+    already lapsed by the session's own record (:func:`kvproto.bounds.lapsed`).
+    (LATE, REFUSED, lost or revoked leases have failed the request already.)
+    """
+    params = session.params
+    return (
+        session.state is _OPEN
+        and params is not None
+        and session.incarnation == req.ticket.holder_incarnation
+        and session.beats.leases.owner(req.ticket.lease) == req.request_id
+        and margin < params.extension * (1 - drift)
+        and now + margin < bounds.hard_bound(session.skew, req.ticket, params, now)
+        and not bounds.lapsed(
+            tracked_at=req.tracked_at,
+            ticket=req.ticket,
+            extension=params.extension,
+            beats=session.beats.inflight.values(),
+            drift=drift,
+            now=now,
+        )
+    )
+
+
+# ------------------------------------------------------------ deferral
+
+Beat = Callable[[float, Session], int]
+"""The reader's heartbeat of a session now; returns the frames sent."""
+
+
+class Deferrals:
+    """The reads put off for one early heartbeat, until the holder answers it."""
+
+    def __init__(
+        self,
+        requests: Mapping[str, Request],
+        sessions: Mapping[SessionKey, Session],
+        ack_timeout: float,
+    ) -> None:
+        self.ids: set[str] = set()
+        """Ids of the deferred requests not yet decided."""
+        self._requests = requests
+        self._sessions = sessions
+        self._ack_timeout = ack_timeout
+
+    def defer(self, now: float, req: Request, close: Iterable[int], beat: Beat) -> ReadDeferred:
+        """Heartbeat the sessions of the ``close`` parts now; decide when they answer."""
+        sent = 0
+        for rank in close:
+            session = self._sessions[(req.ticket.holder_engine, rank)]
+            beats = session.beats
+            if beats.last_beat < now or beats.acked_seq >= beats.seq:
+                sent += beat(now, session)  # the session's normal heartbeat, early
+            # The last frame of the beat states the whole set: its ack settles the part.
+            req.parts[rank].defer_seq = beats.seq
+        for part in req.parts.values():
+            part.state = read_next(part.state, _ON_DEFER)
+        req.defer_until = now + self._ack_timeout
+        self.ids.add(req.request_id)
+        return ReadDeferred(until=req.defer_until, heartbeats=sent)
+
+    def resync(self, now: float, session: Session, seq: int, beat: Beat) -> None:
+        """A deferral's heartbeat was answered "resync": send the full list now, not at
+        the next tick (a lease the holder detached from a lapsed session but still
+        holds on its own deadline is re-attached by it), and wait for that answer."""
+        waiting = [
+            part
+            for rid in self.ids
+            if (req := self._requests[rid]).ticket.holder_engine == session.engine
+            and (part := req.parts.get(session.rank)) is not None
+            and part.defer_seq == seq
+        ]
+        if not waiting:
+            return
+        beat(now, session)
+        for part in waiting:
+            part.defer_seq = session.beats.seq
+
+    def settled(self, req: Request) -> bool:
+        """Every heartbeat a deferred read waits for has been acknowledged."""
+        engine = req.ticket.holder_engine
+        return all(
+            part.defer_seq <= self._sessions[(engine, rank)].beats.acked_seq
+            for rank, part in req.parts.items()
+        )
+
+    def next_due(self) -> float:
+        """The earliest time an unanswered deferral runs out (inf: none)."""
+        best = math.inf
+        for rid in self.ids:
+            req = self._requests[rid]
+            if not self.settled(req):
+                best = min(best, req.defer_until)
+        return best
+
+    def expire(self, now: float, decline: Callable[[Request], None]) -> None:
+        """Forget the answered deferrals (the caller's next begin_read decides); ``decline``
+        those whose heartbeat the holder did not answer in time, as begin_read would
+        have without the deferral."""
+        for rid in list(self.ids):
+            req = self._requests[rid]
+            if self.settled(req):
+                self.ids.discard(rid)
+            elif req.defer_until <= now:
+                decline(req)
