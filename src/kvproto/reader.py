@@ -19,7 +19,9 @@ means API misuse only (each method's docstring says which).
 
 from __future__ import annotations
 
+import heapq
 import hmac
+import itertools
 import math
 import secrets
 from collections.abc import Callable
@@ -50,7 +52,6 @@ from kvproto.reader_requests import (
     renewable,
 )
 from kvproto.reader_session import ReaderSide, Session, WelcomeProblem
-from kvproto.session_timers import SessionTimers
 from kvproto.states import (
     DoneAckAction,
     ReadInput,
@@ -123,7 +124,10 @@ class Reader:
         self._deferrals = Deferrals(self._requests, self._sessions, config.ack_timeout)
         self._targets: dict[int, tuple[int, ...]] = {}
         """Holder TP size → the holder ranks this rank reads from (empty: they do not divide)."""
-        self._timers = SessionTimers()
+        self._timers: list[tuple[float, int, int, Session]] = []
+        self._pushes = itertools.count()
+        """Heap of (next_beat, serial, push number, session); entries whose time is no longer the
+        session's are skipped, so an idle step costs O(1)."""
         self._out: list[ReaderOutput] = []
 
     # ------------------------------------------------------------------ API
@@ -179,7 +183,7 @@ class Reader:
                 # until the holder has it the lease is not tied to this reader, so the
                 # reader's death would free it only by expiry. Tracks of one engine
                 # step still share one heartbeat; the tick is counted from it.
-                self._timers.schedule(session, now)
+                self._schedule(session, now)
 
     def finish(self, now: float, request_id: str) -> None:
         """The request left the scheduler (finished, aborted, rejected): stop tracking it.
@@ -379,7 +383,11 @@ class Reader:
 
     def get_timer(self) -> float | None:
         """The next time :meth:`handle_timer` has work, or None."""
-        best = min(self._timers.next_due(), self._deferrals.next_due())
+        timers = self._timers
+        while timers and timers[0][3].beats.next_beat != timers[0][0]:
+            heapq.heappop(timers)  # rescheduled since
+        best = timers[0][0] if timers else math.inf
+        best = min(best, self._deferrals.next_due())
         for rid, rank in self._awaiting:
             part = self._requests[rid].parts[rank]
             best = min(best, part.ack_deadline, part.next_resend)
@@ -387,7 +395,8 @@ class Reader:
 
     def handle_timer(self, now: float) -> None:
         """Send due heartbeats, re-send unacknowledged dones, fence reads whose ack is late."""
-        if self._timers.any_due(now):  # O(1) when nothing is due
+        timers = self._timers
+        if timers and timers[0][0] <= now:  # O(1) when nothing is due
             self._serve_sessions(now)
         if self._awaiting:
             self._resend_dones(now)
@@ -395,7 +404,7 @@ class Reader:
             self._deferrals.expire(now, lambda req: self._decline(now, req))
 
     def _serve_sessions(self, now: float) -> None:
-        for session in self._timers.due(now):
+        for session in self._due_sessions(now):
             if session.beats.next_beat > now:
                 continue  # rescheduled by an earlier session's work
             if session.state is _HELLO_SENT:
@@ -404,7 +413,7 @@ class Reader:
             elif session.state is _OPEN:
                 self._beat(now, session)
             else:
-                self._timers.schedule(session, math.inf)
+                self._schedule(session, math.inf)
 
     def _decline(self, now: float, req: Request) -> None:
         """The lease may end before the read would: the request recomputes."""
@@ -444,6 +453,26 @@ class Reader:
         """Requests currently tracked."""
         return len(self._requests)
 
+    # ------------------------------------------------------------ timers
+
+    def _schedule(self, session: Session, at: float) -> None:
+        """The session's timer is due at ``at`` (inf: none)."""
+        beats = session.beats
+        if at != beats.next_beat:
+            beats.next_beat = at
+            if at < math.inf:
+                heapq.heappush(self._timers, (at, session.serial, next(self._pushes), session))
+
+    def _due_sessions(self, now: float) -> list[Session]:
+        """Sessions whose timer is due, in creation order (as a scan of all would serve them)."""
+        timers = self._timers
+        due: dict[int, Session] = {}
+        while timers and timers[0][0] <= now:
+            at, serial, _, session = heapq.heappop(timers)
+            if session.beats.next_beat == at:
+                due[serial] = session
+        return [due[serial] for serial in sorted(due)]
+
     def _resend_dones(self, now: float) -> None:
         for rid, rank in list(self._awaiting):
             req = self._requests[rid]
@@ -479,7 +508,7 @@ class Reader:
             self._fail(now, self._requests[rid], FailReason.LEASE_LOST)
 
     def _hello(self, now: float, session: Session) -> None:
-        self._timers.schedule(
+        self._schedule(
             session, now + session.interval(self._requests)
         )  # re-Hello if no Welcome by then
         payload = session.hello(now, self._entropy(16), session.anchor(self._requests))
@@ -591,9 +620,9 @@ class Reader:
         params = session.params
         if beats.leases.count or beats.pending_aborts:
             interval = params.interval if params is not None else session.interval(self._requests)
-            self._timers.schedule(session, now + interval)
+            self._schedule(session, now + interval)
         else:
-            self._timers.schedule(session, math.inf)
+            self._schedule(session, math.inf)
         if beats.want_full:
             self.stats.resyncs += 1
         stats, out, peer = self.stats, self._out, session.peer
@@ -714,7 +743,7 @@ class Reader:
 
     def _break(self, now: float, session: Session, reason: FailReason) -> None:
         held = session.lost()
-        self._timers.schedule(session, math.inf)
+        self._schedule(session, math.inf)
         for rid in held:
             req = self._requests.get(rid)
             if req is not None:
