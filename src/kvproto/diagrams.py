@@ -68,17 +68,25 @@ def _matrix(table: Table) -> list[str]:
     return lines
 
 
-def _verdicts(verdicts: Table) -> list[str]:
-    inputs = [i for i in states.LeaseInput if any(event is i for _, event in verdicts)]
+def _outcomes(table: Table) -> list[str]:
+    """A (state, input) → outcome matrix; only the inputs the table names, in enum order."""
+    first_state, first_input = next(iter(table))
+    state_enum: type[enum.Enum] = type(first_state)
+    input_enum: type[enum.Enum] = type(first_input)
+    inputs = [i for i in input_enum if any(event is i for _, event in table)]
+
+    def label(i: enum.Enum) -> str:
+        return i.value if isinstance(i.value, str) else i.name
+
     lines = [
-        "| state \\ input | " + " | ".join(f"`{i.value}`" for i in inputs) + " |",
+        "| state \\ input | " + " | ".join(f"`{label(i)}`" for i in inputs) + " |",
         "|---|" + "---|" * len(inputs),
     ]
-    for state in states.LeaseState:
+    for state in state_enum:
         cells = []
         for event in inputs:
-            verdict = verdicts.get((state, event))
-            cells.append("error" if verdict is None else verdict.name)
+            outcome = table.get((state, event))
+            cells.append("error" if outcome is None else outcome.name)
         lines.append(f"| **{state.name}** | " + " | ".join(cells) + " |")
     return lines
 
@@ -103,7 +111,17 @@ def render() -> str:
                 "",
                 "The DoneAck a done input earns, by the lease's state when it arrives.",
                 "",
-                *_verdicts(states.DONE_VERDICTS),
+                *_outcomes(states.DONE_VERDICTS),
+                "",
+            ]
+        if table is states.READ_TRANSITIONS:
+            out += [
+                "### DoneAck actions (reader side)",
+                "",
+                "What a DoneAck's verdict makes the reader do, by the read's state when it",
+                "arrives (the HELD proof is checked first).",
+                "",
+                *_outcomes(states.DONE_ACK_ACTIONS),
                 "",
             ]
     return "\n".join(out)
