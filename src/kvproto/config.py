@@ -139,6 +139,11 @@ class LeaseConfig:
         return self.kv_lease_duration * 2 // 3
 
     @property
+    def drift(self) -> float:
+        """``max_drift_ppm`` as a fraction (the factor the deadline maths stretches by)."""
+        return self.max_drift_ppm * 1e-6
+
+    @property
     def params(self) -> LeaseParams:
         """The timing this holder advertises."""
         return LeaseParams(

@@ -115,7 +115,7 @@ class Reader:
         self._side = ReaderSide(
             engine=engine, rank=rank, tp_size=tp_size, incarnation=incarnation, config=config
         )
-        self._drift = config.max_drift_ppm * 1e-6
+        self._drift = config.drift
         self._requests: dict[str, Request] = {}
         self._sessions: dict[SessionKey, Session] = {}
         self._by_peer: dict[PeerId, list[Session]] = {}

@@ -335,7 +335,7 @@ class Session:
         the new incarnation, if any, keys a Welcome at once and tells sooner.
         """
         config = self.side.config
-        drift = config.max_drift_ppm * 1e-6
+        drift = config.drift
         lapsed = []
         for rid in {*self.beats.leases.owners(), *self.parked}:
             req = requests.get(rid)
