@@ -705,7 +705,7 @@ class Reader:
             session.beats.pending_aborts[lease] = req.proof
 
     def _fail(self, now: float, req: Request, reason: FailReason) -> None:
-        if req.confirmed or (req.parts and req.failed):
+        if req.confirmed or req.failed:
             return
         self._deferrals.ids.discard(req.request_id)
         req.fail_reason = reason

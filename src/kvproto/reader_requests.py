@@ -24,7 +24,6 @@ SessionKey = tuple[str, int]
 """(holder engine, holder rank)."""
 
 _CONFIRMED = ReadState.CONFIRMED
-_FAILED = ReadState.FAILED
 _ON_DEFER = ReadInput.DEFER
 _OPEN = SessionState.OPEN
 
@@ -62,8 +61,9 @@ class Request:
 
     @property
     def failed(self) -> bool:
-        """The request failed (a request with no holder rank failed at track)."""
-        return not self.parts or any(p.state is _FAILED for p in self.parts.values())
+        """The request failed: every part is FAILED, by the one path that fails parts
+        (``Reader._fail``, which records the reason)."""
+        return self.fail_reason is not None
 
     @property
     def confirmed(self) -> bool:
