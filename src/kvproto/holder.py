@@ -202,6 +202,9 @@ class Holder:
         if not 0 < lifetime <= self.config.max_hold:  # also refuses NaN (it would poison the heap)
             raise LocalProtocolError(f"lease ttl {lifetime} outside (0, max_hold]")
         ticket = self._mint.mint(now, request_id=request_id, ttl=lifetime)
+        problem = self._request_problem(ticket)
+        if problem is not None:
+            raise LocalProtocolError(problem)
         self._hold(now, ticket)
         return ticket
 
@@ -237,9 +240,7 @@ class Holder:
         return None
 
     def _hold(self, now: float, ticket: LeaseTicket) -> None:
-        problem = self._request_problem(ticket)
-        if problem is not None:
-            raise LocalProtocolError(problem)
+        # grant and adopt have refused what they must (adopt: adoption_problem).
         lease = _Lease(ticket, now, self.config.max_hold)
         self._leases[lease.lease] = lease
         if lease.request_id:
