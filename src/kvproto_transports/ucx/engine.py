@@ -1,21 +1,33 @@
-"""The engine: one thread per endpoint that owns every UCX object of it.
+"""The engine: the state machine that owns every UCX object of one endpoint.
 
-Why a plain thread and not ucxx's asyncio API: that API keeps one
-process-wide ``ApplicationContext`` (one UCX worker per process), while the
-conformance kit and tests run several endpoints in one process, each needing
-its own worker and failure reports. The core (``ucxx._lib.libucxx``) lets each
-endpoint own a context and a worker, and RMA (see :mod:`._ucp`) must run on
-the thread that progresses the worker anyway. So every UCX call happens
-here, in this order, forever:
+Why not ucxx's asyncio API: that API keeps one process-wide
+``ApplicationContext`` (one UCX worker per process), while the conformance
+kit and tests run several endpoints in one process, each needing its own
+worker and failure reports. The core (``ucxx._lib.libucxx``) lets each
+endpoint own a context and a worker (ucxx creates it ``UCS_THREAD_MODE_MULTI``).
+
+One *step* of the engine, always under :attr:`Engine._mutex`, so that one
+thread at a time touches UCX and the engine's state:
 
 1. carry out queued commands (connect, send, read, register, stop);
 2. progress the worker (this fires endpoint-error callbacks, which only
    record what happened);
 3. receive tagged messages, reap finished sends, flushes and ``get``
-   requests, turn broken endpoints into ``PeerLost``;
-4. sleep in ``progress_worker_event`` (epoll on the worker's fd, GIL
-   released) until UCX has an event, an API thread calls
-   ``ucp_worker_signal``, or ``idle_wait_ms`` pass (deadlines).
+   requests, turn broken endpoints into ``PeerLost``.
+
+Two kinds of thread run steps. The API thread that queues a command or
+polls runs one itself when the mutex is free (:meth:`Engine.drive`): a
+``send`` leaves for the socket and a ``poll`` takes what arrived without
+waking another thread. When only the engine thread touched UCX, a round
+trip crossed four Python thread hand-offs (caller to engine, engine to
+caller, each way), 45-60 us of bare hand-off alone, and the transport's
+round trip was 3-3.5x the raw one; driven from the caller, 1.6x (measured
+side by side, ``kvproto bench --suite transport``). The engine's own thread runs a
+step whenever the worker's event fd fires (``ucp_worker_arm``, then
+``poll`` on ucxx's epoll fd with the GIL released) or ``idle_wait_ms``
+pass: it serves the peer's RMA ``get`` over TCP, probes, timeouts and
+failures while nobody polls. It waits outside the mutex and outside UCX,
+so an API thread never waits for a sleeping engine.
 
 Connections: ``add_peer`` creates a UCP endpoint from the peer's *worker
 address* (no listener, no port) with ``endpoint_error_handling=True`` and
@@ -38,6 +50,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import threading
 import time
 from collections import deque
@@ -132,6 +145,8 @@ class Engine:
         self._cfg = config
         self._shared = shared
         self._commands: deque[Command] = deque()
+        self._mutex = threading.Lock()
+        """Held by the thread running a step: the engine's own, or an API thread in drive."""
         self._signal_lock = threading.Lock()
         self._worker_handle = 0  # 0: no worker to signal (not started, or torn down)
         self._sleeping = False
@@ -139,7 +154,7 @@ class Engine:
         self._thread = threading.Thread(
             target=self._main, name=f"kvproto-ucx-{config.local_peer}", daemon=True
         )
-        # Engine-thread state below.
+        # State below: touched only under _mutex.
         self._api: Any = None
         self._array: Any = None
         self._ucp: Ucp | None = None
@@ -158,7 +173,7 @@ class Engine:
         self._orphans: deque[tuple[Any, Any]] = deque()
         self._stopping = False
         self.wakeup: Callable[[], None] | None = None
-        """Called on this thread when events wait for ``poll`` (an event loop's wakeup)."""
+        """Called when a step leaves events for ``poll`` (an event loop's wakeup)."""
 
     # --- API side ---------------------------------------------------------
 
@@ -172,14 +187,35 @@ class Engine:
             raise UcxUnavailable(f"UCX did not start within {timeout_s} s") from exc
 
     def submit(self, command: Command) -> None:
-        """Queue a command and wake the engine (any thread)."""
+        """Queue a command and carry it out now if no other thread runs a step (any thread)."""
         self._commands.append(command)
-        # Only a sleeping engine needs the signal; sparing the call spares a GIL
-        # hand-off per send. The engine sets the flag, then re-checks the queue.
-        if self._sleeping:
-            with self._signal_lock:
-                if self._worker_handle and self._ucp is not None:
-                    self._ucp.signal(self._worker_handle)
+        self.drive(notify=True)
+
+    def drive(self, *, notify: bool) -> None:
+        """Run one step on this thread, unless another thread is running one (any thread).
+
+        Never waits: a busy mutex means a step is under way, and the engine
+        thread looks at the command queue again before it sleeps. ``notify``:
+        call :attr:`wakeup` if events wait (``poll`` passes False: it takes them).
+        """
+        if not self._mutex.acquire(blocking=False):
+            # Another API thread may be past its command loop: wake a sleeping
+            # engine so that nothing queued waits for idle_wait_ms.
+            if self._sleeping:
+                self._signal()
+            return
+        try:
+            if self._stopping or self._worker is None:
+                return
+            try:
+                self._step(notify=notify)
+            except Exception as exc:
+                self._crash(exc)
+            stopping = self._stopping
+        finally:
+            self._mutex.release()
+        if stopping:
+            self._signal()  # the engine thread tears down, on its own thread
 
     def stop(self, timeout_s: float) -> bool:
         """Ask the engine to tear down and wait; False if the thread did not end in time."""
@@ -189,29 +225,39 @@ class Engine:
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
 
+    def _signal(self) -> None:
+        with self._signal_lock:
+            if self._worker_handle and self._ucp is not None:
+                self._ucp.signal(self._worker_handle)
+
     # --- thread -----------------------------------------------------------
 
     def _main(self) -> None:
         try:
-            address = self._setup()
+            with self._mutex:
+                address = self._setup()
         except Exception as exc:
             self._started.set_exception(
                 exc if isinstance(exc, UcxUnavailable) else UcxUnavailable(f"UCX setup: {exc}")
             )
-            self._teardown()
+            with self._mutex:
+                self._teardown()
             return
         self._started.set_result(address)
         try:
             self._loop()
-        except Exception as exc:
-            log.exception("UCX engine of %s crashed", self._cfg.local_peer)
-            # Nothing moves any more: say so, and tell the binding every peer is gone.
-            self._shared.fail(f"UCX engine crashed: {type(exc).__name__}: {exc}")
-            for peer in list(self._conns):
-                self._report_lost(peer, "local UCX engine crashed")
-            self._notify()
         finally:
-            self._teardown()
+            with self._mutex:
+                self._teardown()
+
+    def _crash(self, exc: Exception) -> None:
+        """A step raised: nothing moves any more; say so, and report every peer lost."""
+        log.error("UCX engine of %s crashed", self._cfg.local_peer, exc_info=exc)
+        self._stopping = True
+        self._shared.fail(f"UCX engine crashed: {type(exc).__name__}: {exc}")
+        for peer in list(self._conns):
+            self._report_lost(peer, "local UCX engine crashed")
+        self._notify()
 
     def _setup(self) -> bytes:
         self._api, self._array = load_ucxx()
@@ -230,37 +276,54 @@ class Engine:
 
     def _loop(self) -> None:
         wait_ms = self._cfg.idle_wait_ms
+        waiter = select.poll()
+        waiter.register(self._worker.epoll_file_descriptor, select.POLLIN)
         while True:
-            while self._commands:
-                self._run(self._commands.popleft())
-            if self._stopping:
-                return
-            # Drain what UCX has before the Python-level bookkeeping: a read over
-            # TCP arrives as many fragments, and one loop iteration per fragment
-            # cost several times the transfer itself (measured).
-            for _ in range(PROGRESS_BURST):
-                if not self._worker.progress_once():
-                    break
-            self._receive()
-            now = time.monotonic()
-            for conn in list(self._conns.values()):
-                self._reap_sends(conn, now)
-            while self._orphans and self._orphans[0][0].completed:
-                self._orphans.popleft()
-            self._advance_connects(now)
-            self._advance_reads(now)
-            self._probe_idle(now)
-            self._handle_closed()
-            self._notify()
+            with self._mutex:
+                armed = False
+                try:
+                    self._step(notify=True)
+                    # arm() is False while UCX has events unprogressed: step again.
+                    armed = not self._stopping and not self._commands and self._worker.arm()
+                except Exception as exc:
+                    self._crash(exc)
+                if self._stopping:
+                    return
             self._sleeping = True
-            if not self._commands:
-                self._worker.progress_worker_event(epoll_timeout=wait_ms)
+            # Set before this re-check, read by drive after its queue append: a
+            # command queued meanwhile is seen here or signals the worker.
+            if armed and not self._commands:
+                waiter.poll(wait_ms)  # outside the mutex and UCX, GIL released
             self._sleeping = False
 
+    def _step(self, *, notify: bool) -> None:
+        while self._commands:
+            self._run(self._commands.popleft())
+        if self._stopping:
+            return
+        # Drain what UCX has before the Python-level bookkeeping: a read over
+        # TCP arrives as many fragments, and one loop iteration per fragment
+        # cost several times the transfer itself (measured).
+        for _ in range(PROGRESS_BURST):
+            if not self._worker.progress_once():
+                break
+        self._receive()
+        now = time.monotonic()
+        for conn in list(self._conns.values()):
+            self._reap_sends(conn, now)
+        while self._orphans and self._orphans[0][0].completed:
+            self._orphans.popleft()
+        self._advance_connects(now)
+        self._advance_reads(now)
+        self._probe_idle(now)
+        self._handle_closed()
+        if notify:
+            self._notify()
+
     def _notify(self) -> None:
-        # Once per iteration while events are unpolled, before sleeping: a
-        # coalescing waker (asyncio's call_soon_threadsafe behind a flag) costs
-        # one attribute check here, and no event waits for the next idle_wait_ms.
+        # Once per step while events are unpolled: a coalescing waker (asyncio's
+        # call_soon_threadsafe behind a flag) costs one attribute check here, and
+        # no event waits for the next idle_wait_ms.
         wakeup = self.wakeup
         if wakeup is not None and self._shared.events:
             try:

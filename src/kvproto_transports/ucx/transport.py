@@ -1,9 +1,10 @@
 """UcxTransport: the kvproto Transport protocol over UCX (ucxx + libucp RMA).
 
 The public methods run on any thread and never wait on the network: they
-validate, then queue a command for the endpoint's engine thread
-(:mod:`.engine`), which owns every UCX object. ``poll`` drains what the
-engine reported. Only ``__init__`` (UCX start-up), ``register_blocks``
+validate, then queue a command for the endpoint's engine (:mod:`.engine`),
+which owns every UCX object, and run it at once on the calling thread unless
+another thread is in the engine. ``poll`` progresses UCX the same way, then
+drains what the engine reported. Only ``__init__`` (UCX start-up), ``register_blocks``
 (memory registration) and ``close`` wait for the engine, each bounded by a
 timeout.
 
@@ -13,7 +14,8 @@ timeout.
   per merged segment); the attached notify is sent after every ``get``
   completed, i.e. after the data is in local memory. Over TCP, UCX serves a
   ``get`` by "software emulation" inside the holder's UCX progress engine
-  (the holder's engine thread, not its application code); on RDMA it is a
+  (the holder's engine: its thread, or a thread polling the holder; no
+  application code); on RDMA it is a
   hardware read. Either way no kvproto code runs at the holder.
 * Peer failure: UCX endpoint error handling reports the broken connection of
   our endpoint to an added peer; the engine turns it into one :class:`PeerLost`.
@@ -285,6 +287,9 @@ class UcxTransport:
         """
         with self._lock:
             self._check(failed_ok=True)
+        # Progress UCX here, on the caller's thread, rather than wait for the
+        # engine thread to wake up, do it and hand the events over.
+        self._engine.drive(notify=False)
         events = self._shared.events
         out: list[TransportEvent] = []
         # Test before popping instead of ending on an IndexError raised by every poll;
@@ -299,8 +304,9 @@ class UcxTransport:
     def set_wakeup(self, callback: Callable[[], None] | None) -> None:
         """Have ``callback`` called whenever events wait for :meth:`poll`; None removes it.
 
-        It runs on the engine thread, once per engine iteration while events
-        are unpolled (so possibly again before the next ``poll``): it must be
+        It runs on the engine thread, or on a thread whose ``send``,
+        ``read_blocks`` or peer call ran an engine step, once per step while
+        events are unpolled (so possibly again before the next ``poll``): it must be
         cheap, thread-safe and must not call this transport (asyncio:
         ``loop.call_soon_threadsafe`` behind a flag, see
         :mod:`kvproto_binding.aio`).
