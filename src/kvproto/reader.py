@@ -20,16 +20,15 @@ means API misuse only (each method's docstring says which).
 from __future__ import annotations
 
 import heapq
-import hmac
 import itertools
 import math
 import secrets
 from collections.abc import Callable
 
-from kvproto import auth, bounds, wire
+from kvproto import bounds, wire
 from kvproto.clock import SkewEstimator, SkewSample
 from kvproto.config import LeaseConfig
-from kvproto.errors import LocalProtocolError, RemoteProtocolError
+from kvproto.errors import LocalProtocolError
 from kvproto.events import (
     Connect,
     FailReason,
@@ -42,6 +41,8 @@ from kvproto.events import (
     RequestFailed,
     SendFrame,
 )
+from kvproto.reader_dones import AwaitedDones, done_frame, verdict_of
+from kvproto.reader_frames import Unheard, heard
 from kvproto.reader_requests import (
     Deferrals,
     Part,
@@ -85,9 +86,6 @@ _OPEN = SessionState.OPEN
 _READING = ReadState.READING
 _STARTED = frozenset({_READING, _AWAITING_ACK})
 _TARGETS_KEEP = 64
-_HELD = wire.DoneVerdict.HELD
-_REFUSED = wire.DoneVerdict.REFUSED
-_VERDICTS = {int(v): v for v in wire.DoneVerdict}
 
 
 class Reader:
@@ -119,9 +117,9 @@ class Reader:
         self._requests: dict[str, Request] = {}
         self._sessions: dict[SessionKey, Session] = {}
         self._by_peer: dict[PeerId, list[Session]] = {}
-        self._awaiting: set[tuple[str, int]] = set()
         self._by_lease: dict[tuple[str, int], str] = {}
         self._deferrals = Deferrals(self._requests, self._sessions, config.ack_timeout)
+        self._dones = AwaitedDones(self._requests, self._sessions, config)
         self._targets: dict[int, tuple[int, ...]] = {}
         """Holder TP size → the holder ranks this rank reads from (empty: they do not divide)."""
         self._timers: list[tuple[float, int, int, Session]] = []
@@ -202,7 +200,7 @@ class Reader:
         for part in req.parts.values():
             part.state = read_next(part.state, _ON_FINISH)
             if part.state is _FINISHED:  # not read, or not confirmed
-                self._awaiting.discard((request_id, part.rank))
+                self._dones.forget(request_id, part.rank)
                 self._abort_at(now, req, part.rank)
 
     def is_tracked(self, request_id: str) -> bool:
@@ -252,11 +250,10 @@ class Reader:
             return ReadDeclined(reason=FailReason.DEADLINE_TOO_CLOSE)
         self._deferrals.ids.discard(request_id)
         orders = []
-        done = wire.Done(claim=wire.Claim(lease=req.ticket.lease, proof=req.proof))
         for rank, part in req.parts.items():
             session = self._sessions[(req.ticket.holder_engine, rank)]
             part.state = read_next(part.state, _ON_BEGIN_READ)
-            part.done_frame = wire.encode(done, session.up)
+            part.done_frame = done_frame(req, session.up)
             local_slice, remote_slice = read_slices(
                 self.rank, self.tp_size, req.ticket.holder_tp_size, rank
             )
@@ -291,9 +288,7 @@ class Reader:
         if part.early_held:
             self._held(req, part)
             return
-        part.ack_deadline = now + self.config.ack_timeout
-        part.next_resend = now + self.config.ack_timeout / (self.config.done_retries + 1)
-        self._awaiting.add((request_id, holder_rank))
+        self._dones.expect(now, req, part)
 
     def read_failed(self, now: float, request_id: str, holder_rank: int) -> None:
         """The transport says the read from ``holder_rank`` failed: recompute.
@@ -340,35 +335,13 @@ class Reader:
             self.stats.unexpected_frames += 1
             return
         session = sessions[-1]
-        try:
-            msg = wire.decode(data)
-        except RemoteProtocolError:
+        msg = heard(now, session, data, self._requests)
+        if msg is Unheard.MALFORMED:
             self.stats.malformed += 1
-            return
-        if isinstance(msg, wire.Welcome):
+        elif msg is Unheard.BAD_MAC:
+            self.stats.bad_mac += 1
+        elif isinstance(msg, wire.Welcome):
             self._on_welcome(now, session, msg, data)
-        elif (
-            isinstance(msg, wire.Reject)
-            and session.state is _HELLO_SENT
-            and msg.reason != wire.RejectReason.NO_SESSION
-        ):
-            # The holder refused our Hello (too many sessions, TP layouts that do not
-            # fit): without this the reader re-sent Hello forever and its requests
-            # waited for a read that could never start. (NO_SESSION here only answers
-            # a heartbeat sent before our Hello: we are saying Hello already.) Only a
-            # refusal signed with our anchor's token counts: a forged one would fail
-            # every request of the session.
-            if session.refusal_authentic(data):
-                self._on_reject(now, session, msg)
-            else:
-                self.stats.bad_mac += 1
-        elif not session.authentic(data):
-            if isinstance(msg, wire.Reject) and msg.reason == wire.RejectReason.NO_SESSION:
-                self._unsigned_no_session(now, session, msg)
-            else:
-                self.stats.bad_mac += 1
-        elif session.state is not _OPEN:
-            self.stats.unexpected_frames += 1
         elif isinstance(msg, wire.HeartbeatAck):
             self._on_ack(now, session, msg)
         elif isinstance(msg, wire.DoneAck):
@@ -389,9 +362,8 @@ class Reader:
         best = timers[0][0] if timers else math.inf
         if self._deferrals.ids:  # an idle step (benchmarked) asks no more than the heap
             best = min(best, self._deferrals.next_due())
-        for rid, rank in self._awaiting:
-            part = self._requests[rid].parts[rank]
-            best = min(best, part.ack_deadline, part.next_resend)
+        if self._dones.keys:
+            best = min(best, self._dones.next_due())
         return None if best == math.inf else best
 
     def handle_timer(self, now: float) -> None:
@@ -399,8 +371,11 @@ class Reader:
         timers = self._timers
         if timers and timers[0][0] <= now:  # O(1) when nothing is due
             self._serve_sessions(now)
-        if self._awaiting:
-            self._resend_dones(now)
+        dones = self._dones
+        if dones.keys:
+            self.stats.done_resent += dones.serve(
+                now, lambda req: self._fail(now, req, FailReason.FENCED_NO_ACK), self._out.append
+            )
         if self._deferrals.ids:
             self._deferrals.expire(now, lambda req: self._decline(now, req))
 
@@ -474,34 +449,7 @@ class Reader:
                 due[serial] = session
         return [due[serial] for serial in sorted(due)]
 
-    def _resend_dones(self, now: float) -> None:
-        for rid, rank in list(self._awaiting):
-            req = self._requests[rid]
-            part = req.parts[rank]
-            if part.ack_deadline <= now:
-                self._fail(now, req, FailReason.FENCED_NO_ACK)
-            elif part.next_resend <= now:
-                session = self._sessions[(req.ticket.holder_engine, rank)]
-                self.stats.done_resent += 1
-                part.resends += 1
-                step = self.config.ack_timeout / (self.config.done_retries + 1)
-                part.next_resend = (
-                    now + step if part.resends < self.config.done_retries else math.inf
-                )
-                # Re-signed with the current key: a re-key since the read began
-                # would otherwise make every re-send fail its MAC.
-                done = wire.Done(claim=wire.Claim(lease=req.ticket.lease, proof=req.proof))
-                payload = wire.encode(done, session.up) if session.up else part.done_frame
-                self._out.append(SendFrame(peer=session.peer, payload=payload))
-
     # ------------------------------------------------------------ frames
-
-    def _unsigned_no_session(self, now: float, session: Session, msg: wire.Reject) -> None:
-        """An unsigned "no session": see :meth:`Session.heed_unsigned_no_session`."""
-        if session.heed_unsigned_no_session(now, msg.seq, self._requests):
-            self._on_reject(now, session, msg)
-        else:
-            self.stats.bad_mac += 1
 
     def _fail_lapsed(self, now: float, session: Session) -> None:
         """Unwelcomed, fail the requests whose lease lapsed (:meth:`Session.lapsed`)."""
@@ -575,21 +523,10 @@ class Reader:
         if req is None or part is None:
             self.stats.unexpected_frames += 1
             return
-        # A verdict value this version does not know vouches for nothing: as REFUSED.
-        verdict = _VERDICTS.get(msg.verdict, _REFUSED)
-        if verdict is _HELD:
-            proof = auth.verdict_proof(
-                req.ticket.token,
-                lease=msg.lease,
-                verdict=msg.verdict,
-                reader_engine=self.engine,
-                reader_rank=self.rank,
-            )
-            if not hmac.compare_digest(proof, msg.proof):
-                # Only the lease's token vouches for a read: not even a session key
-                # (learnt from another, stolen, ticket) can make us trust one.
-                self.stats.bad_mac += 1
-                return
+        verdict = verdict_of(msg, req, engine=self.engine, rank=self.rank)
+        if verdict is None:
+            self.stats.bad_mac += 1
+            return
         action = done_ack_action(part.state, verdict)
         if action is DoneAckAction.REMEMBER_HELD:
             part.state = read_next(part.state, _ON_ACK_HELD)
@@ -714,7 +651,7 @@ class Reader:
         for rank, part in req.parts.items():
             was_started = part.state in _STARTED
             part.state = read_next(part.state, _ON_FAIL)
-            self._awaiting.discard((req.request_id, rank))
+            self._dones.forget(req.request_id, rank)
             if was_started or reason not in _HOLDER_ALREADY_ENDED:
                 self._abort_at(now, req, rank)
             else:
@@ -726,7 +663,7 @@ class Reader:
 
     def _held(self, req: Request, part: Part) -> None:
         part.state = read_next(part.state, _ON_ACK_HELD)
-        self._awaiting.discard((req.request_id, part.rank))
+        self._dones.forget(req.request_id, part.rank)
         if req.confirmed:
             self.stats.reads_confirmed += 1
             self._out.append(ReadConfirmed(request_id=req.request_id))
@@ -750,10 +687,8 @@ class Reader:
             if req is not None:
                 self._fail(now, req, reason)
         session.parked.clear()
-        for rid, rank in list(self._awaiting):
-            req = self._requests[rid]
-            if rank == session.rank and req.ticket.holder_engine == session.engine:
-                self._fail(now, req, reason)
+        for req in self._dones.of_session(session):
+            self._fail(now, req, reason)
 
     def _deadline_bound(self, req: Request, rank: int, now: float) -> float:
         session = self._sessions[(req.ticket.holder_engine, rank)]
