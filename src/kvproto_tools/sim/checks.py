@@ -23,11 +23,13 @@ from kvproto.tpmath import target_remote_ranks
 from kvproto_tools.sim.model import Hold, Req, ReqState
 
 if TYPE_CHECKING:
-    from kvproto_tools.sim.context import Context
+    from kvproto_tools.sim.books import Books
+    from kvproto_tools.sim.cluster import Cluster
+    from kvproto_tools.sim.context import ClusterView, LedgerView
     from kvproto_tools.sim.model import EngineState
 
 
-def holder_oracles(ctx: Context, eng: EngineState) -> None:
+def holder_oracles(books: Books, eng: EngineState) -> None:
     """S2 (never shortened) and S3 (no resurrection, no leak) for every holder rank."""
     side = eng.side
     counts = [0] * eng.tp
@@ -39,7 +41,7 @@ def holder_oracles(ctx: Context, eng: EngineState) -> None:
                 continue
             prev = hold.deadlines.get(rank)
             if prev is not None and d < prev - 1e-9 and not eng.transports[rank].disturbed:
-                ctx.books.violate(
+                books.violate(
                     "safety",
                     "S2 shortened",
                     f"{eng.name} rank {rank} moved {hold.key[:18]}'s deadline "
@@ -50,14 +52,14 @@ def holder_oracles(ctx: Context, eng: EngineState) -> None:
         tr.disturbed = False
         live = side.holder_live(rank)
         if live != counts[rank]:
-            ctx.books.violate(
+            books.violate(
                 "safety",
                 "S3 resurrection",
                 f"{eng.name} rank {rank} holds {live} leases, the engine {counts[rank]} live holds",
             )
 
 
-def bound_oracle(ctx: Context, hold: Hold, rank: int) -> None:
+def bound_oracle(ctx: LedgerView, hold: Hold, rank: int) -> None:
     """S1 (fence): an expiring lease must not be one its reader still believes live."""
     req = hold.req
     if req is None or req.reader is None or not req.reader.alive:
@@ -82,7 +84,7 @@ def bound_oracle(ctx: Context, hold: Hold, rank: int) -> None:
             )
 
 
-def l1_bound(ctx: Context, hold: Hold) -> float:
+def l1_bound(cluster: Cluster, hold: Hold) -> float:
     """Latest global time a dead reader's blocks may still be held (L1)."""
     eng = hold.engine
     req = hold.req
@@ -90,17 +92,17 @@ def l1_bound(ctx: Context, hold: Hold) -> float:
     ext = eng.side.renew_extension
     if ext is not None and req is not None and req.reader is not None:
         for rank in range(eng.tp):
-            last = ctx.cluster.last_hb.get((eng.name, hold.incarnation, rank, req.reader.name))
+            last = cluster.last_hb.get((eng.name, hold.incarnation, rank, req.reader.name))
             if last is not None:
                 best = max(best, last + ext)
     return eng.clock.to_global(best) + eng.max_step + 1e-6
 
 
-def check_l1(ctx: Context, hold: Hold) -> None:
+def check_l1(ctx: ClusterView, hold: Hold) -> None:
     """L1 at the bound's time: the dead reader's hold must have ended."""
     if hold.ended_at is not None:
         return
-    bound = l1_bound(ctx, hold)
+    bound = l1_bound(ctx.cluster, hold)
     if bound > ctx.clock.t:
         ctx.clock.at(bound, lambda: check_l1(ctx, hold))
         return
@@ -113,7 +115,7 @@ def check_l1(ctx: Context, hold: Hold) -> None:
     )
 
 
-def check_l2(ctx: Context, req: Req, copied: float) -> None:
+def check_l2(ctx: LedgerView, req: Req, copied: float) -> None:
     """L2: a read whose data arrived must be used or failed by now."""
     if req.state is ReqState.READING and req.reader is not None and req.reader.alive:
         ctx.books.violate(

@@ -1,8 +1,12 @@
 """What a flow, an oracle or a fault sees of a run: one small typed part per concern.
 
 The event loop (:class:`kvproto_tools.sim.engine.Simulator`) owns the run and
-hands this context to the functions in :mod:`.flows`, :mod:`.checks`,
-:mod:`.faults` and :mod:`.handshake`. None of them imports the loop: what
+builds one :class:`Context` of all its parts. The functions in :mod:`.flows`,
+:mod:`.checks`, :mod:`.faults` and :mod:`.handshake` never take that whole
+context: each takes the one part it uses, or, when it uses several, a *view*
+below that names exactly those (its callees' included), so a reader of its
+signature sees all the state it may touch and mypy holds it to that. The
+context satisfies every view. None of these modules imports the loop: what
 they may ask of it is :class:`Steps`, so the modules form no import cycle.
 """
 
@@ -35,9 +39,105 @@ class Steps(Protocol):
         """Bring up the next incarnation of ``eng``."""
 
 
+class LedgerView(Protocol):
+    """The time and the books: grant or end a hold, note, count, report a violation."""
+
+    @property
+    def clock(self) -> Agenda:
+        """Global virtual time and what is due when."""
+
+    @property
+    def books(self) -> Books:
+        """Figures, counters, trace and violations."""
+
+
+class ClusterView(LedgerView, Protocol):
+    """The ledger and the cluster: a request leaves the system or is lost with its engine."""
+
+    @property
+    def cluster(self) -> Cluster:
+        """The engines (and their sides) and the requests in the system."""
+
+
+class WakeView(ClusterView, Protocol):
+    """The cluster and the step loop: a request reaches an engine, which must step."""
+
+    @property
+    def steps(self) -> Steps:
+        """The engines' step loop."""
+
+
+class FreeView(LedgerView, Protocol):
+    """The ledger and the policy: a holder rank frees a lease (the fence is kvproto's)."""
+
+    @property
+    def policy(self) -> Policy:
+        """How engines keep blocks for a reader."""
+
+
+class GrantView(WakeView, FreeView, Protocol):
+    """Blocks are granted and the request routed to its reader: after prefill, and for turn 2."""
+
+    @property
+    def settings(self) -> Settings:
+        """The model constants (prefill time, proxy hop)."""
+
+
+class RequestView(GrantView, Protocol):
+    """The reader's part of a request's life: track, read, use or recompute, then decode."""
+
+    @property
+    def scenario(self) -> Scenario:
+        """What is simulated (decode step length)."""
+
+
+class CopyView(LedgerView, Protocol):
+    """The ledger and the network: a read's data arrived (and, with liveness, L2 is due)."""
+
+    @property
+    def fabric(self) -> Fabric:
+        """The network: links, endpoints, reads in flight."""
+
+    @property
+    def liveness(self) -> bool:
+        """Whether the liveness bounds (L1-L3) are checked."""
+
+
+class HandshakeView(WakeView, Protocol):
+    """What a side-channel handshake needs: the holder, the links, its timing."""
+
+    @property
+    def fabric(self) -> Fabric:
+        """The network: whether a link is partitioned."""
+
+    @property
+    def scenario(self) -> Scenario:
+        """What is simulated (the link delay)."""
+
+    @property
+    def settings(self) -> Settings:
+        """The model constants (handshake cost and timeout)."""
+
+
+class FaultView(WakeView, Protocol):
+    """What the faults touch: engines die (with their requests and holds), restart, links cut."""
+
+    @property
+    def fabric(self) -> Fabric:
+        """The network: crashes and partitions."""
+
+    @property
+    def scenario(self) -> Scenario:
+        """What is simulated (which faults, when)."""
+
+    @property
+    def liveness(self) -> bool:
+        """Whether L1 is checked for a crashed reader's holds."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Context:
-    """One run's parts, each behind its own small interface."""
+    """One run's parts, each behind its own small interface (it satisfies every view)."""
 
     clock: Agenda
     """Global virtual time and what is due when."""

@@ -231,7 +231,7 @@ class Simulator:
         flows.reader_work(self.ctx, eng, now)
         side.step(now)
         self.effects(eng)
-        checks.holder_oracles(self.ctx, eng)
+        checks.holder_oracles(self.books, eng)
         timer = side.next_timer()
         if timer is not None:
             self.request_wake(eng, eng.clock.to_global(timer) if timer > -math.inf else t)

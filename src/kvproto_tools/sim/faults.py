@@ -9,11 +9,11 @@ from kvproto_tools.sim import checks, flows
 from kvproto_tools.sim.model import ReqState
 
 if TYPE_CHECKING:
-    from kvproto_tools.sim.context import Context
+    from kvproto_tools.sim.context import FaultView
     from kvproto_tools.sim.model import EngineState
 
 
-def schedule_faults(ctx: Context, rng: random.Random) -> None:
+def schedule_faults(ctx: FaultView, rng: random.Random) -> None:
     """Put the scenario's faults on the timeline (``rng`` draws the partition's length)."""
     sc = ctx.scenario
     if sc.decode_crash is not None:
@@ -33,7 +33,7 @@ def schedule_faults(ctx: Context, rng: random.Random) -> None:
         ctx.clock.at(when + length, lambda: cut(ctx, a, b, heal=True))
 
 
-def cut(ctx: Context, a: str, b: str, *, heal: bool) -> None:
+def cut(ctx: FaultView, a: str, b: str, *, heal: bool) -> None:
     """Partition (or heal) every link between two engines' ranks."""
     ctx.books.faults_pending -= 1
     engines = ctx.cluster.engines
@@ -41,7 +41,7 @@ def cut(ctx: Context, a: str, b: str, *, heal: bool) -> None:
     ctx.books.note(f"{'heal' if heal else 'partition'} {a} <-> {b}")
 
 
-def kill(ctx: Context, eng: EngineState) -> None:
+def kill(ctx: FaultView, eng: EngineState) -> None:
     """``kill -9``: endpoints, memory and queued work of ``eng`` vanish at once."""
     eng.alive = False
     eng.next_wake = None
@@ -69,7 +69,7 @@ def kill(ctx: Context, eng: EngineState) -> None:
     eng.hs_busy.clear()
 
 
-def crash_reader(ctx: Context, eng: EngineState) -> None:
+def crash_reader(ctx: FaultView, eng: EngineState) -> None:
     """A decoder dies for good; remember what it was going to read (reclaim_s, L1)."""
     ctx.books.faults_pending -= 1
     ctx.books.note(f"kill -9 {eng.name}")
@@ -86,14 +86,14 @@ def crash_reader(ctx: Context, eng: EngineState) -> None:
             checks.check_l1(ctx, hold)
 
 
-def crash_holder(ctx: Context, eng: EngineState) -> None:
+def crash_holder(ctx: FaultView, eng: EngineState) -> None:
     """A prefill engine dies (it restarts later)."""
     ctx.books.faults_pending -= 1
     ctx.books.note(f"kill -9 {eng.name} (restarts later)")
     kill(ctx, eng)
 
 
-def restart(ctx: Context, eng: EngineState) -> None:
+def restart(ctx: FaultView, eng: EngineState) -> None:
     """The engine comes back as a new incarnation: new endpoints, empty memory."""
     ctx.books.faults_pending -= 1
     ctx.steps.start_engine(eng)

@@ -1,8 +1,9 @@
 """What engines do with requests: prefill and grant, route, track, read, use or recompute.
 
-Free functions over a run's :class:`~kvproto_tools.sim.context.Context` (the
-clock, the books, the cluster, the network, the step loop), so that the event
-loop (engine.py) stays small and none of this imports it. Holder side: a prefill finishes, its
+Free functions, each over the view of a run it needs (:mod:`.context`: the
+clock and the books, the cluster, the step loop, the policy, the network), so
+that the event loop (engine.py) stays small and none of this imports it. A
+flow's view covers the flows it calls or schedules. Holder side: a prefill finishes, its
 blocks get real bytes and a lease, the request goes to a decoder. Reader
 side: the request is tracked, waits in the queue, reads at a step boundary,
 and is used (kvproto: only after the holder confirmed) or recomputed.
@@ -21,12 +22,20 @@ from kvproto_tools.sim.workload import Arrival, prompt_blocks
 
 if TYPE_CHECKING:
     from kvproto.transport import ReadId
-    from kvproto_tools.sim.context import Context
+    from kvproto_tools.sim.context import (
+        ClusterView,
+        CopyView,
+        FreeView,
+        GrantView,
+        LedgerView,
+        RequestView,
+        WakeView,
+    )
     from kvproto_tools.sim.model import EngineState
     from kvproto_tools.sim.transport import SimTransport
 
 
-def prefill_arrival(ctx: Context, a: Arrival) -> None:
+def prefill_arrival(ctx: WakeView, a: Arrival) -> None:
     """A client request reaches the prefill tier: queue it at a live P."""
     eng = route(ctx.cluster.prefill, a.prefill)
     if eng is None:
@@ -37,7 +46,7 @@ def prefill_arrival(ctx: Context, a: Arrival) -> None:
     ctx.steps.request_wake(eng, ctx.clock.t)
 
 
-def prefill_work(ctx: Context, eng: EngineState, now: float) -> None:
+def prefill_work(ctx: GrantView, eng: EngineState, now: float) -> None:
     """Finish the running prefill (grant its blocks) and start the next one."""
     t = ctx.clock.t
     if eng.current is not None and eng.busy_until is not None and t >= eng.busy_until:
@@ -57,7 +66,7 @@ def prefill_work(ctx: Context, eng: EngineState, now: float) -> None:
 
 
 def new_hold(
-    ctx: Context,
+    ctx: LedgerView,
     eng: EngineState,
     *,
     now: float,
@@ -91,7 +100,9 @@ def new_hold(
     return hold
 
 
-def prefill_done(ctx: Context, eng: EngineState, now: float, a: Arrival, blocks: list[int]) -> None:
+def prefill_done(
+    ctx: GrantView, eng: EngineState, now: float, a: Arrival, blocks: list[int]
+) -> None:
     """Prefill finished: grant the blocks and send the request to a decoder."""
     hold = new_hold(
         ctx,
@@ -117,7 +128,7 @@ def prefill_done(ctx: Context, eng: EngineState, now: float, a: Arrival, blocks:
     ctx.clock.at(ctx.clock.t + ctx.settings.proxy_delay, lambda: reader_arrival(ctx, req))
 
 
-def rank_freed(ctx: Context, eng: EngineState, rank: int, key: str, reason: str) -> None:
+def rank_freed(ctx: FreeView, eng: EngineState, rank: int, key: str, reason: str) -> None:
     """One holder rank freed its lease; the engine frees the blocks when every rank has."""
     hold = eng.holds.get(key)
     if hold is None or rank not in hold.ranks_live:
@@ -135,7 +146,7 @@ def rank_freed(ctx: Context, eng: EngineState, rank: int, key: str, reason: str)
         end_hold(ctx, hold, lost=False)
 
 
-def end_hold(ctx: Context, hold: Hold, *, lost: bool) -> None:
+def end_hold(ctx: LedgerView, hold: Hold, *, lost: bool) -> None:
     """Every rank freed (or the holder died): the blocks are gone."""
     eng = hold.engine
     t = ctx.clock.t
@@ -173,7 +184,7 @@ def mark_dead(hold: Hold, t: float) -> None:
         hold.dead_since = t
 
 
-def reader_arrival(ctx: Context, req: Req) -> None:
+def reader_arrival(ctx: WakeView, req: Req) -> None:
     """The request reaches its reader engine: queue it for tracking at the next step."""
     reader = req.reader
     if req.state is not ReqState.TRANSIT or reader is None:
@@ -189,7 +200,7 @@ def reader_arrival(ctx: Context, req: Req) -> None:
         ctx.clock.at(req.admit_at, lambda: ctx.steps.request_wake(reader, req.admit_at))
 
 
-def reader_work(ctx: Context, eng: EngineState, now: float) -> None:
+def reader_work(ctx: RequestView, eng: EngineState, now: float) -> None:
     """Track new arrivals; start the reads of requests whose queue wait is over."""
     side = eng.side
     arrivals, eng.arrivals = eng.arrivals, []
@@ -229,7 +240,7 @@ def reader_work(ctx: Context, eng: EngineState, now: float) -> None:
     eng.waiting = still
 
 
-def copied(ctx: Context, tr: SimTransport, read_id: ReadId) -> None:
+def copied(ctx: CopyView, tr: SimTransport, read_id: ReadId) -> None:
     """The loopback copied a read's data just now: did it overlap a free?"""
     rec = ctx.fabric.reads.pop((tr.real.local_peer, read_id), None)
     if rec is None:
@@ -257,14 +268,14 @@ def copied(ctx: Context, tr: SimTransport, read_id: ReadId) -> None:
         ctx.clock.at(t + wait, lambda: checks.check_l2(ctx, req, t))
 
 
-def use(ctx: Context, req: Req) -> None:
+def use(ctx: RequestView, req: Req) -> None:
     """Every reader rank may use its blocks: the model computes with them."""
     eng = req.reader
     assert eng is not None
     req.state = ReqState.USED
     ctx.books.extra["used"] += 1
     overlapped = [r for r in req.reads if r.intact is not True]
-    corrupted = not bytes_ok(ctx, req)
+    corrupted = not bytes_ok(req)
     if corrupted:
         ctx.books.extra["corrupted"] += 1
     if overlapped:
@@ -286,7 +297,7 @@ def use(ctx: Context, req: Req) -> None:
     resolve(ctx, req)
 
 
-def bytes_ok(ctx: Context, req: Req) -> bool:
+def bytes_ok(req: Req) -> bool:
     """Whether every reader rank received exactly the bytes the holder wrote."""
     eng = req.reader
     assert eng is not None and req.local_blocks is not None
@@ -299,7 +310,7 @@ def bytes_ok(ctx: Context, req: Req) -> bool:
     return True
 
 
-def fail(ctx: Context, req: Req, reason: str) -> None:
+def fail(ctx: RequestView, req: Req, reason: str) -> None:
     """The reader cannot use the blocks: it recomputes them."""
     req.state = ReqState.FAILED
     ctx.books.metrics.wasted_prefill_tokens += req.tokens
@@ -309,7 +320,7 @@ def fail(ctx: Context, req: Req, reason: str) -> None:
     resolve(ctx, req)
 
 
-def resolve(ctx: Context, req: Req) -> None:
+def resolve(ctx: RequestView, req: Req) -> None:
     """The request no longer needs the holder: tell the side, then decode or finish."""
     eng = req.reader
     assert eng is not None
@@ -321,11 +332,11 @@ def resolve(ctx: Context, req: Req) -> None:
         end = eng.boundary(ctx.clock.t + duration)
         ctx.clock.at(end, lambda: decode_done(ctx, req))
     else:
-        release_local(ctx, req)
+        release_local(req)
         request_done(ctx, req)
 
 
-def release_local(ctx: Context, req: Req) -> None:
+def release_local(req: Req) -> None:
     """Free the reader-side blocks the request read into."""
     eng = req.reader
     if req.local_blocks is not None and eng is not None and eng.alive:
@@ -333,13 +344,13 @@ def release_local(ctx: Context, req: Req) -> None:
     req.local_blocks = None
 
 
-def request_done(ctx: Context, req: Req) -> None:
+def request_done(ctx: ClusterView, req: Req) -> None:
     """The request left the system."""
     ctx.cluster.reqs.pop(req.key, None)
     ctx.books.open_requests -= 1
 
 
-def lose(ctx: Context, req: Req) -> None:
+def lose(ctx: ClusterView, req: Req) -> None:
     """The request died with an engine (not counted as recomputed)."""
     req.state = ReqState.LOST
     mark_dead(req.hold, ctx.clock.t)
@@ -347,7 +358,7 @@ def lose(ctx: Context, req: Req) -> None:
     request_done(ctx, req)
 
 
-def decode_done(ctx: Context, req: Req) -> None:
+def decode_done(ctx: GrantView, req: Req) -> None:
     """Decoding ended: free the blocks, or keep them as turn-2 blocks for the client."""
     eng = req.reader
     assert eng is not None
@@ -355,7 +366,7 @@ def decode_done(ctx: Context, req: Req) -> None:
         return  # lost with its engine
     a = req.arrival
     if not a.turn2:
-        release_local(ctx, req)
+        release_local(req)
         request_done(ctx, req)
         return
     # Bidirectional: D keeps the conversation's KV (prompt + output) for turn 2.
@@ -365,7 +376,7 @@ def decode_done(ctx: Context, req: Req) -> None:
     more = eng.pool.allocate(max(0, need - len(mine)), req) if need > len(mine) else []
     request_done(ctx, req)
     if more is None:
-        release_local(ctx, req)
+        release_local(req)
         return
     req.local_blocks = None
     hold = new_hold(
@@ -392,7 +403,7 @@ def decode_done(ctx: Context, req: Req) -> None:
     ctx.clock.at(ctx.clock.t + a.think, lambda: client_returns(ctx, req2))
 
 
-def client_returns(ctx: Context, req: Req) -> None:
+def client_returns(ctx: GrantView, req: Req) -> None:
     """The client sends turn 2: a prefill engine will read the decoder's blocks."""
     reader = route(ctx.cluster.prefill, req.arrival.turn2_prefill)
     if reader is None:

@@ -5,22 +5,23 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvproto_tools.sim.context import Context
+    from kvproto_tools.sim.cluster import Cluster
+    from kvproto_tools.sim.context import HandshakeView
     from kvproto_tools.sim.model import EngineState
     from kvproto_tools.sim.sides import HandshakeAsk
 
 
-def resolve_engine(ctx: Context, engine_id: str) -> tuple[EngineState | None, int | None]:
+def resolve_engine(cluster: Cluster, engine_id: str) -> tuple[EngineState | None, int | None]:
     """(engine, incarnation) for an engine id (kvproto: name; vLLM: name.incarnation)."""
     name, _, inc = engine_id.partition(".")
-    eng = ctx.cluster.engines.get(name)
+    eng = cluster.engines.get(name)
     return eng, (int(inc) if inc else None)
 
 
-def handshake(ctx: Context, eng: EngineState, ask: HandshakeAsk) -> None:
+def handshake(ctx: HandshakeView, eng: EngineState, ask: HandshakeAsk) -> None:
     """Connect a reader rank to holder ranks over the side channel (ZMQ in deployments)."""
     ctx.books.extra["handshakes"] += 1
-    holder, inc = resolve_engine(ctx, ask.engine_id)
+    holder, inc = resolve_engine(ctx.cluster, ask.engine_id)
     s = ctx.settings
     rtt = 2 * ctx.scenario.link.delay + s.handshake_cost
     start = ctx.clock.t
