@@ -29,6 +29,7 @@ from kvproto import auth, legacy, wire
 from kvproto.config import LeaseConfig
 from kvproto.errors import LocalProtocolError, RemoteProtocolError
 from kvproto.events import FreeBlocks, HolderOutput, ReleaseReason, SendFrame
+from kvproto.holder_leases import SEVERAL, STATE_INDEX, STATES, TERMINAL, UNSCHEDULED, LeaseTable
 from kvproto.leaseset import LeaseSet
 from kvproto.ratelimit import ReplayWindow, TokenBucket
 from kvproto.states import (
@@ -54,53 +55,6 @@ _END_STATE_COUNTER = {
     ReleaseReason.MAX_HOLD: "max_hold",
     ReleaseReason.PEER_LOST: "peer_lost",
 }
-
-
-class _Lease:
-    __slots__ = (
-        "consumers",
-        "expected",
-        "hard_deadline",
-        "heap_due",
-        "lease",
-        "legacy_done",
-        "own_deadline",
-        "owner",
-        "proof",
-        "reader_tp",
-        "request_id",
-        "sessions",
-        "state",
-        "token",
-    )
-
-    def __init__(self, ticket: LeaseTicket, now: float, max_hold: float) -> None:
-        self.lease = ticket.lease
-        self.request_id = ticket.request_id
-        self.token = ticket.token
-        self.state = LeaseState.GRANTED
-        self.own_deadline = now + ticket.expires_in
-        self.hard_deadline = now + max_hold
-        self.heap_due: float | None = None
-        self.owner: str | None = None
-        self.proof = b""
-        self.expected = 0
-        self.reader_tp = 0  # the first claimer's TP size: whose ranks' dones count
-        # None for most leases' lives (a fresh dict costs ~200 B per lease).
-        self.consumers: dict[int, int] | None = None
-        self.legacy_done = 0
-        # The sessions renewing the lease: almost always none or one, kept as the
-        # session itself (a set of one costs ~220 B and a GC-tracked object per lease).
-        self.sessions: _Session | set[_Session] | None = None
-
-    def holders(self) -> tuple[_Session, ...]:
-        """The sessions renewing the lease (a copy: detaching while iterating is fine)."""
-        held = self.sessions
-        if held is None:
-            return ()
-        if isinstance(held, _Session):
-            return (held,)
-        return tuple(held)
 
 
 class _Session:
@@ -177,8 +131,7 @@ class Holder:
             params=config.params,
             entropy=entropy,
         )
-        self._leases: dict[int, _Lease] = {}
-        self._by_request: dict[str, int] = {}
+        self._leases = LeaseTable()
         self._lease_heap: list[tuple[float, int]] = []
         self._session_heap: list[tuple[float, int]] = []
         self._sessions: dict[PeerId, _Session] = {}
@@ -235,28 +188,25 @@ class Holder:
         return self._request_problem(ticket)
 
     def _request_problem(self, ticket: LeaseTicket) -> str | None:
-        if ticket.request_id and ticket.request_id in self._by_request:
+        if ticket.request_id and self._leases.slot_of_request(ticket.request_id) is not None:
             return f"request {ticket.request_id!r} already has a lease"
         return None
 
     def _hold(self, now: float, ticket: LeaseTicket) -> None:
         # grant and adopt have refused what they must (adopt: adoption_problem).
-        lease = _Lease(ticket, now, self.config.max_hold)
-        self._leases[lease.lease] = lease
-        if lease.request_id:
-            self._by_request[lease.request_id] = lease.lease
+        slot = self._leases.add(ticket, now, self.config.max_hold)
         self._granted += 1
         self.stats.grants += 1
-        self._schedule_lease(lease)
+        self._schedule_lease(slot)
 
     def revoke(self, now: float, lease_id: int) -> None:
         """Free a live lease now (memory pressure) and tell its readers to recompute."""
-        lease = self._leases.get(lease_id)
-        if lease is None:
+        slot = self._leases.slot(lease_id)
+        if slot is None:
             raise LocalProtocolError(f"unknown lease {lease_id}")
-        lease_next(lease.state, LeaseInput.REVOKE)  # raises if already ended
-        self._send_revoke(lease, ReleaseReason.REVOKED)
-        self._end(now, lease, LeaseInput.REVOKE, ReleaseReason.REVOKED)
+        lease_next(self._leases.state(slot), LeaseInput.REVOKE)  # raises if already ended
+        self._send_revoke(slot, ReleaseReason.REVOKED)
+        self._end(now, slot, LeaseInput.REVOKE, ReleaseReason.REVOKED)
 
     def peer_lost(self, now: float, peer: PeerId) -> None:
         """The transport says ``peer`` is gone: end the leases only its session held."""
@@ -355,22 +305,23 @@ class Holder:
                     self._schedule_session(session)
             else:
                 for lease_id in list(session.leases):
-                    self._detach(self._leases[lease_id], session)
+                    self._detach(self._slot(lease_id), session)
+        table = self._leases
         while self._lease_heap and self._lease_heap[0][0] <= now:
             due, lease_id = heapq.heappop(self._lease_heap)
-            lease = self._leases.get(lease_id)
-            if lease is None or lease.heap_due != due or lease.state.terminal:
+            slot = table.slot(lease_id)
+            if slot is None or table.due[slot] != due or TERMINAL[table.states[slot]]:
                 continue
-            lease.heap_due = None
-            if now >= lease.hard_deadline:
-                self._send_revoke(lease, ReleaseReason.MAX_HOLD)
-                self._end(now, lease, LeaseInput.DEADLINE, ReleaseReason.MAX_HOLD)
-            elif self._live_until(lease) <= now:
-                self._end(now, lease, LeaseInput.DEADLINE, ReleaseReason.EXPIRED)
+            table.due[slot] = UNSCHEDULED
+            if now >= table.hard[slot]:
+                self._send_revoke(slot, ReleaseReason.MAX_HOLD)
+                self._end(now, slot, LeaseInput.DEADLINE, ReleaseReason.MAX_HOLD)
+            elif self._live_until(slot) <= now:
+                self._end(now, slot, LeaseInput.DEADLINE, ReleaseReason.EXPIRED)
             else:
-                self._schedule_lease(lease)
+                self._schedule_lease(slot)
         while self._tombstones and self._tombstones[0][0] <= now:
-            self._forget(self._tombstones.popleft()[1])
+            self._leases.forget(self._tombstones.popleft()[1])
 
     def drain(self) -> list[HolderOutput]:
         """Everything the binding must do now, in order."""
@@ -381,8 +332,8 @@ class Holder:
 
     def lease_state(self, lease_id: int) -> LeaseState | None:
         """State of a lease, or None if it is unknown or forgotten."""
-        lease = self._leases.get(lease_id)
-        return None if lease is None else lease.state
+        slot = self._leases.slot(lease_id)
+        return None if slot is None else self._leases.state(slot)
 
     def deadline(self, lease_id: int) -> float:
         """The time a live lease lapses unless renewed (max of own and session deadlines)."""
@@ -397,15 +348,15 @@ class Holder:
         For callers that cannot know whether a lease is still live (it may end
         on any input): they ask here instead of catching :meth:`deadline`'s error.
         """
-        lease = self._leases.get(lease_id)
-        if lease is None or lease.state.terminal:
+        slot = self._leases.slot(lease_id)
+        if slot is None or self._leases.terminal(slot):
             return None
-        return min(self._live_until(lease), lease.hard_deadline)
+        return min(self._live_until(slot), self._leases.hard[slot])
 
     def is_live(self, lease_id: int) -> bool:
         """True while the lease's blocks are held (granted or held, not ended)."""
-        lease = self._leases.get(lease_id)
-        return lease is not None and not lease.state.terminal
+        slot = self._leases.slot(lease_id)
+        return slot is not None and not self._leases.terminal(slot)
 
     def live_leases(self) -> int:
         """Leases whose blocks are still held."""
@@ -434,8 +385,8 @@ class Holder:
             return True
         return bool(session.prev_up) and wire.verify(session.prev_up, data)
 
-    def _anchor(self, hello: wire.Hello, old: _Session | None) -> _Lease | None:
-        """The Hello's anchor lease if its proof is right and it may key this session.
+    def _anchor(self, hello: wire.Hello, old: _Session | None) -> bytes | None:
+        """The Hello's anchor lease's token if its proof is right and it may key this session.
 
         A new session (or a new reader incarnation) may be keyed by any live
         lease whose token the Hello proves (owner binding is for claims: a key
@@ -444,28 +395,29 @@ class Holder:
         another engine's name, cannot take over that engine's session.
         """
         anchor = hello.anchor
-        lease = None if anchor is None else self._leases.get(anchor.lease)
-        if anchor is None or lease is None or lease.state.terminal:
+        slot = None if anchor is None else self._leases.slot(anchor.lease)
+        if anchor is None or slot is None or self._leases.terminal(slot):
             return None
         if (
             old is not None
             and old.incarnation == hello.incarnation
             and old.leases
-            and lease.lease not in old.leases
+            and anchor.lease not in old.leases
         ):
             return None
+        token = self._leases.token(slot)
         proof = auth.hello_proof(
-            lease.token,
+            token,
             reader_engine=hello.engine,
             reader_rank=hello.rank,
             reader_tp=hello.tp_size,
             reader_incarnation=hello.incarnation,
             holder_rank=self.rank,
-            lease=lease.lease,
+            lease=anchor.lease,
             attempt=hello.attempt,
             nonce=hello.nonce,
         )
-        return lease if hmac.compare_digest(proof, anchor.proof) else None
+        return token if hmac.compare_digest(proof, anchor.proof) else None
 
     def _reads_from_us(self, hello: wire.Hello) -> bool:
         """The Hello's reader rank reads from this holder rank (its TP layout divides ours)."""
@@ -502,8 +454,8 @@ class Holder:
             PeerSessionInput.REKEY,
             PeerSessionInput.REPLAYED,
         )
-        anchor = self._anchor(hello, old if same else None)
-        if anchor is None:
+        anchor_token = self._anchor(hello, old if same else None)
+        if anchor_token is None:
             # No proof of any ticket: nothing is opened, re-keyed or ended, and
             # nothing is answered (an answer could not be authenticated).
             self.stats.bad_hello += 1
@@ -511,7 +463,7 @@ class Holder:
         if event is PeerSessionInput.REPLAYED:
             self.stats.replayed += 1  # an older Hello of this reader, replayed
             return
-        refusal = auth.refusal_key(anchor.token, hello.nonce, self.config.auth_secret)
+        refusal = auth.refusal_key(anchor_token, hello.nonce, self.config.auth_secret)
         if not self._reads_from_us(hello):
             # This rank never reads from us: its dones could count for ranks that do.
             self.stats.limit_refusals += 1
@@ -539,7 +491,7 @@ class Holder:
         else:
             server_nonce = self._entropy(16)
         up, down = auth.session_keys(
-            anchor.token,
+            anchor_token,
             reader_engine=hello.engine,
             reader_rank=hello.rank,
             reader_incarnation=hello.incarnation,
@@ -595,12 +547,13 @@ class Holder:
             self._schedule_session(session)
         held: list[tuple[int, float]] = []
         lost: list[int] = []
+        hard = self._leases.hard
         for claim in hb.claims:
-            lease = self._claim(now, session, claim)
-            if lease is None:
+            slot = self._claim(now, session, claim)
+            if slot is None:
                 lost.append(claim.lease)
             else:
-                held.append((lease.lease, min(self._live_until(lease), lease.hard_deadline) - now))
+                held.append((claim.lease, min(self._live_until(slot), hard[slot]) - now))
         for claim in hb.aborts:
             self._abort(now, session, claim)
         if hb.full is not None:
@@ -635,108 +588,113 @@ class Holder:
             )
             self._send_session(session, ack)
 
-    def _claim(self, now: float, session: _Session, claim: wire.Claim) -> _Lease | None:
-        lease = self._check_claim(session, claim)
-        if lease is None or lease.state.terminal:
+    def _claim(self, now: float, session: _Session, claim: wire.Claim) -> int | None:
+        slot = self._check_claim(session, claim)
+        if slot is None or TERMINAL[self._leases.states[slot]]:
             return None
-        if lease.lease in session.leases:
-            return lease
+        if claim.lease in session.leases:
+            return slot
         if len(session.leases) >= self.config.max_leases_per_session:
             self.stats.limit_refusals += 1
             return None
-        self._transition(lease, LeaseInput.CLAIM)
-        self._attach(lease, session)
-        return lease
+        self._transition(slot, LeaseInput.CLAIM)
+        self._attach(slot, session)
+        return slot
 
-    def _check_claim(self, session: _Session, claim: wire.Claim) -> _Lease | None:
-        """The lease, if the proof is right and no other engine owns it; else count and None."""
-        lease = self._leases.get(claim.lease)
-        if lease is None:
+    def _check_claim(self, session: _Session, claim: wire.Claim) -> int | None:
+        """The lease's slot, if the proof is right and no other engine owns it; else count, None."""
+        table = self._leases
+        slot = table.slot(claim.lease)
+        if slot is None:
             self.stats.unknown_lease += 1
             return None
-        if lease.owner is not None and lease.owner != session.engine:
+        owner = table.owners[slot]
+        if owner is not None and owner != session.engine:
             self.stats.owner_mismatch += 1
             return None
-        proof = lease.proof or claim_proof(lease.token, session.engine, lease.lease)
+        proof = table.proof(slot) or claim_proof(table.token(slot), session.engine, claim.lease)
         if not hmac.compare_digest(proof, claim.proof):
             self.stats.bad_proof += 1
             return None
-        if lease.owner is None and not lease.state.terminal:
-            lease.owner = session.engine
-            lease.proof = proof
-            lease.expected = session.expected
-            lease.reader_tp = session.tp_size
+        if owner is None and not TERMINAL[table.states[slot]]:
+            table.owners[slot] = session.engine
+            table.set_proof(slot, proof)
+            table.expected[slot] = session.expected
+            table.reader_tp[slot] = session.tp_size
             self.stats.claims += 1
-        return lease
+        return slot
 
     def _abort(self, now: float, session: _Session, claim: wire.Claim) -> None:
-        lease = self._check_claim(session, claim)
-        if lease is None:
+        slot = self._check_claim(session, claim)
+        if slot is None:
             return
-        if lease.state.terminal:
-            lease_next(lease.state, LeaseInput.ABORT)  # an explicit "late" row: stays ended
+        if self._leases.terminal(slot):
+            # an explicit "late" row: stays ended
+            lease_next(self._leases.state(slot), LeaseInput.ABORT)
             return
-        self._end(now, lease, LeaseInput.ABORT, ReleaseReason.ABORTED)
+        self._end(now, slot, LeaseInput.ABORT, ReleaseReason.ABORTED)
 
     def _resync(self, session: _Session, deltas: list[int], lost: list[int]) -> None:
+        table = self._leases
         wanted = set(wire.delta_decode(deltas))
         holding = set(session.leases)
         for lease_id in holding - wanted:
-            self._detach(self._leases[lease_id], session)
+            self._detach(self._slot(lease_id), session)
         for lease_id in wanted - holding:
-            lease = self._leases.get(lease_id)
+            slot = table.slot(lease_id)
             if (
-                lease is None
-                or lease.state.terminal
-                or lease.owner != session.engine
+                slot is None
+                or table.terminal(slot)
+                or table.owners[slot] != session.engine
                 or len(session.leases) >= self.config.max_leases_per_session
             ):
                 lost.append(lease_id)
             else:
-                self._attach(lease, session)
+                self._attach(slot, session)
 
     def _on_done(self, now: float, session: _Session, claim: wire.Claim) -> None:
         self.stats.done_frames += 1
-        lease = self._check_claim(session, claim)
+        slot = self._check_claim(session, claim)
         # A done proves the claim as a heartbeat claim does: if it arrives first (the
         # heartbeat carrying the claim was lost or delayed), _check_claim has just
         # recorded this session as the first claimer of the live lease, and the done
         # counts as claim + done.
-        verdict = DoneVerdict.REFUSED if lease is None else self._apply_done(now, session, lease)
+        verdict = DoneVerdict.REFUSED if slot is None else self._apply_done(now, session, slot)
         proof = b""
-        if lease is not None and verdict is DoneVerdict.HELD:
+        if slot is not None and verdict is DoneVerdict.HELD:
             proof = auth.verdict_proof(
-                lease.token,
-                lease=lease.lease,
+                self._leases.token(slot),
+                lease=claim.lease,
                 verdict=verdict,
                 reader_engine=session.engine,
                 reader_rank=session.rank,
             )
         self._send_session(session, wire.DoneAck(lease=claim.lease, verdict=verdict, proof=proof))
 
-    @staticmethod
-    def _done_input(session: _Session, lease: _Lease) -> LeaseInput:
+    def _done_input(self, session: _Session, slot: int) -> LeaseInput:
         """What a proven done is to its lease; the tables decide what it does."""
-        if lease.reader_tp and lease.reader_tp != session.tp_size:
+        table = self._leases
+        reader_tp = table.reader_tp[slot]
+        if reader_tp and reader_tp != session.tp_size:
             # reader_tp is unset only when the lease ended before anyone claimed it:
             # such a done is late, not of another TP layout.
             return LeaseInput.FOREIGN_DONE
-        consumers = lease.consumers
+        consumers = table.consumers.get(slot)
         if consumers is not None and consumers.get(session.rank) == session.serial:
             # Keyed by session, not by rank: if someone else's done for this rank came
             # first (a replayed Hello without auth_secret), the real reader's done after
             # the free is answered LATE, so its read is fenced instead of trusted.
             return LeaseInput.DUPLICATE_DONE
-        if lease.state.terminal:
+        if table.terminal(slot):
             return LeaseInput.DONE
         counted = 0 if consumers is None else len(consumers)
         if consumers is None or session.rank not in consumers:
             counted += 1
-        return LeaseInput.LAST_DONE if counted >= lease.expected else LeaseInput.DONE
+        return LeaseInput.LAST_DONE if counted >= table.expected[slot] else LeaseInput.DONE
 
-    def _apply_done(self, now: float, session: _Session, lease: _Lease) -> DoneVerdict:
-        event = self._done_input(session, lease)
-        verdict = done_verdict(lease.state, event)
+    def _apply_done(self, now: float, session: _Session, slot: int) -> DoneVerdict:
+        event = self._done_input(session, slot)
+        verdict = done_verdict(self._leases.state(slot), event)
         if event is LeaseInput.FOREIGN_DONE:
             self.stats.bad_rank_done += 1  # not in the expected set: its read is not vouched for
         elif verdict is DoneVerdict.LATE:
@@ -744,23 +702,21 @@ class Holder:
         elif event is LeaseInput.DUPLICATE_DONE:
             self.stats.duplicate_done += 1  # the same answer as before
         elif event is LeaseInput.LAST_DONE:
-            self._count_consumer(session, lease)
-            self._end(now, lease, event, ReleaseReason.DONE)
+            self._count_consumer(session, slot)
+            self._end(now, slot, event, ReleaseReason.DONE)
             return verdict
         else:
-            self._count_consumer(session, lease)
-            self._transition(lease, event)
-            if lease.lease in session.leases:
-                self._detach(lease, session)
+            self._count_consumer(session, slot)
+            self._transition(slot, event)
+            if self._leases.ids[slot] in session.leases:
+                self._detach(slot, session)
             return verdict
-        self._transition(lease, event)  # a "stay" row
+        self._transition(slot, event)  # a "stay" row
         return verdict
 
-    @staticmethod
-    def _count_consumer(session: _Session, lease: _Lease) -> None:
-        if lease.consumers is None:
-            lease.consumers = {}
-        lease.consumers.setdefault(session.rank, session.serial)
+    def _count_consumer(self, session: _Session, slot: int) -> None:
+        consumers = self._leases.consumers.setdefault(slot, {})
+        consumers.setdefault(session.rank, session.serial)
 
     def _handle_legacy(self, now: float, peer: PeerId, data: bytes) -> None:
         if not self.config.accept_legacy:
@@ -779,100 +735,95 @@ class Holder:
         if len(ids) > self.config.max_ids_per_frame:
             self.stats.limit_refusals += 1
             return
+        table = self._leases
         for request_id in ids:
-            lease_id = self._by_request.get(request_id)
-            lease = None if lease_id is None else self._leases.get(lease_id)
-            if lease is None:
+            slot = table.slot_of_request(request_id)
+            if slot is None:
                 self.stats.unknown_lease += 1
                 continue
-            if lease.owner is not None and lease.owner != owner:
+            if table.owners[slot] is not None and table.owners[slot] != owner:
                 self.stats.owner_mismatch += 1
                 continue
-            if lease.state.terminal:
+            if table.terminal(slot):
                 if isinstance(frame, legacy.LegacyDone):
                     self.stats.late_done += 1
                 continue
-            if lease.owner is None:
-                lease.owner = owner
-                self._transition(lease, LeaseInput.CLAIM)
+            if table.owners[slot] is None:
+                table.owners[slot] = owner
+                self._transition(slot, LeaseInput.CLAIM)
             if isinstance(frame, legacy.LegacyHeartbeat):
                 # Stock peers renew per lease; there is no session to renew.
-                lease.own_deadline = max(lease.own_deadline, now + self.config.lease_extension)
+                table.own[slot] = max(table.own[slot], now + self.config.lease_extension)
                 continue
             # Stock vLLM counts raw notifications against the count the reader sends.
-            lease.legacy_done += 1
-            if lease.legacy_done >= frame.expected:
-                self._end(now, lease, LeaseInput.LAST_DONE, ReleaseReason.DONE)
+            done = table.legacy_done.get(slot, 0) + 1
+            table.legacy_done[slot] = done
+            if done >= frame.expected:
+                self._end(now, slot, LeaseInput.LAST_DONE, ReleaseReason.DONE)
             else:
-                self._transition(lease, LeaseInput.DONE)
+                self._transition(slot, LeaseInput.DONE)
 
     # -------------------------------------------------------- bookkeeping
 
-    def _transition(self, lease: _Lease, event: LeaseInput) -> None:
-        new = lease_next(lease.state, event)
-        if new is not lease.state:
-            if lease.state is LeaseState.GRANTED:
+    def _slot(self, lease_id: int) -> int:
+        """The slot of a lease the holder knows it holds (a session's, a tombstone's)."""
+        slot = self._leases.slot(lease_id)
+        assert slot is not None, f"lease {lease_id} held by a session but not in the table"
+        return slot
+
+    def _transition(self, slot: int, event: LeaseInput) -> None:
+        states = self._leases.states
+        old = STATES[states[slot]]
+        new = lease_next(old, event)
+        if new is not old:
+            if old is LeaseState.GRANTED:
                 self._granted -= 1
             else:
                 self._held -= 1
             if new is LeaseState.HELD:
                 self._held += 1
-            lease.state = new
+            states[slot] = STATE_INDEX[new]
 
-    def _end(self, now: float, lease: _Lease, event: LeaseInput, reason: ReleaseReason) -> None:
-        self._transition(lease, event)
-        for session in lease.holders():
-            self._detach(lease, session, fall_back=False)
+    def _end(self, now: float, slot: int, event: LeaseInput, reason: ReleaseReason) -> None:
+        self._transition(slot, event)
+        for serial in self._leases.holders(slot):
+            self._detach(slot, self._by_serial[serial], fall_back=False)
         counter = _END_STATE_COUNTER[reason]
         setattr(self.stats, counter, getattr(self.stats, counter) + 1)
-        self._out.append(FreeBlocks(lease=lease.lease, request_id=lease.request_id, reason=reason))
-        self._tombstones.append((now + self.config.tombstone_ttl, lease.lease))
+        lease_id = self._leases.ids[slot]
+        request_id = self._leases.request_ids[slot]
+        self._out.append(FreeBlocks(lease=lease_id, request_id=request_id, reason=reason))
+        self._tombstones.append((now + self.config.tombstone_ttl, lease_id))
         if len(self._tombstones) > self.config.max_tombstones:
-            self._forget(self._tombstones.popleft()[1])
+            self._leases.forget(self._tombstones.popleft()[1])
 
-    def _forget(self, lease_id: int) -> None:
-        lease = self._leases.pop(lease_id, None)
-        if lease is not None and self._by_request.get(lease.request_id) == lease_id:
-            del self._by_request[lease.request_id]
-
-    def _attach(self, lease: _Lease, session: _Session) -> None:
-        held = lease.sessions
-        if held is None:
-            lease.sessions = session
-        elif isinstance(held, _Session):
-            if held is not session:
-                lease.sessions = {held, session}
-        else:
-            held.add(session)
-        session.leases.add(lease.lease, None)
+    def _attach(self, slot: int, session: _Session) -> None:
+        self._leases.attach(slot, session.serial)
+        session.leases.add(self._leases.ids[slot], None)
         if session.heap_due is None and session.deadline != float("-inf"):
             self._schedule_session(session)
 
-    def _detach(self, lease: _Lease, session: _Session, *, fall_back: bool = True) -> None:
-        """Take ``lease`` out of ``session``; it keeps what the session had given it."""
-        held = lease.sessions
-        if held is session:
-            lease.sessions = None
-        elif isinstance(held, set):
-            held.discard(session)
-            if len(held) == 1:
-                (lease.sessions,) = held
-        session.leases.discard(lease.lease)
-        if fall_back and not lease.state.terminal:
-            lease.own_deadline = max(lease.own_deadline, session.deadline)
-            if lease.sessions is None:
-                self._schedule_lease(lease)
+    def _detach(self, slot: int, session: _Session, *, fall_back: bool = True) -> None:
+        """Take the lease out of ``session``; it keeps what the session had given it."""
+        table = self._leases
+        table.detach(slot, session.serial)
+        session.leases.discard(table.ids[slot])
+        if fall_back and not TERMINAL[table.states[slot]]:
+            table.own[slot] = max(table.own[slot], session.deadline)
+            if table.holder[slot] == 0:
+                self._schedule_lease(slot)
 
     def _forget_session(self, now: float, session: _Session, *, lost: bool) -> None:
-        self._by_serial.pop(session.serial, None)
+        # Out of the serial index last: the leases it renews name it until detached.
         for lease_id in list(session.leases):
-            lease = self._leases[lease_id]
-            if lost and lease.sessions is session:
-                self._end(now, lease, LeaseInput.PEER_LOST, ReleaseReason.PEER_LOST)
+            slot = self._slot(lease_id)
+            if lost and self._leases.holder[slot] == session.serial:
+                self._end(now, slot, LeaseInput.PEER_LOST, ReleaseReason.PEER_LOST)
             else:
                 # Another session (another reader rank) still holds it: the lease keeps
                 # what this one had given it, or its deadline would move earlier (S2).
-                self._detach(lease, session)
+                self._detach(slot, session)
+        self._by_serial.pop(session.serial, None)
 
     def _evict_idle_session(self) -> bool:
         for peer, session in self._sessions.items():
@@ -882,27 +833,26 @@ class Holder:
                 return True
         return False
 
-    def _live_until(self, lease: _Lease) -> float:
-        until = lease.own_deadline
-        held = lease.sessions
-        if held is None:
+    def _live_until(self, slot: int) -> float:
+        table = self._leases
+        until = table.own[slot]
+        held = table.holder[slot]
+        if held == 0:
             return until
-        if isinstance(held, _Session):
-            return max(until, held.deadline)
-        for session in held:
-            until = max(until, session.deadline)
+        if held != SEVERAL:
+            return max(until, self._by_serial[held].deadline)
+        for serial in table.several[slot]:
+            until = max(until, self._by_serial[serial].deadline)
         return until
 
-    def _schedule_lease(self, lease: _Lease) -> None:
-        due = (
-            lease.hard_deadline
-            if lease.sessions is not None
-            else min(lease.own_deadline, lease.hard_deadline)
-        )
-        if lease.heap_due is not None and lease.heap_due <= due:
+    def _schedule_lease(self, slot: int) -> None:
+        table = self._leases
+        hard = table.hard[slot]
+        due = hard if table.holder[slot] != 0 else min(table.own[slot], hard)
+        if table.due[slot] <= due:  # False while UNSCHEDULED (NaN)
             return  # the earlier canonical entry will fire and re-schedule
-        lease.heap_due = due
-        heapq.heappush(self._lease_heap, (due, lease.lease))
+        table.due[slot] = due
+        heapq.heappush(self._lease_heap, (due, table.ids[slot]))
 
     def _schedule_session(self, session: _Session) -> None:
         session.heap_due = session.deadline
@@ -919,9 +869,11 @@ class Holder:
             self._buckets.move_to_end(peer)
         return bucket
 
-    def _send_revoke(self, lease: _Lease, reason: ReleaseReason) -> None:
-        for session in lease.holders():
-            self._send_session(session, wire.Revoke(leases=[lease.lease], reason=int(reason)))
+    def _send_revoke(self, slot: int, reason: ReleaseReason) -> None:
+        lease_id = self._leases.ids[slot]
+        for serial in self._leases.holders(slot):
+            revoke = wire.Revoke(leases=[lease_id], reason=int(reason))
+            self._send_session(self._by_serial[serial], revoke)
 
     def _send_session(self, session: _Session, msg: wire.Message) -> None:
         self._out.append(SendFrame(peer=session.peer, payload=wire.encode(msg, session.down)))
