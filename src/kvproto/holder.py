@@ -10,11 +10,14 @@ Cost model (the reason for the data structures):
 
 * A heartbeat is O(1 + changes it carries): it renews its *session*, and a
   lease is live while any session holding it is.
-* Expiry uses two lazy min-heaps (leases on their own or hard deadline,
-  sessions on their keep-alive deadline). Each lease and session has at most
-  one canonical heap entry, so a call costs O(ended · log n) and an idle call
-  is O(1) — whatever order leases were renewed in (vLLM #58222 stopped at the
-  first live entry of an insertion-ordered dict and stranded expired ones).
+* Expiry uses two lazy min-queues (leases on their own or hard deadline, in
+  :class:`~kvproto.holder_timers.DeadlineQueue`; sessions on their keep-alive
+  deadline, in a heap). Each lease and session has at most one canonical
+  entry, so a call costs O(ended · log n) and an idle call O(log n) at most —
+  whatever order leases were renewed in (vLLM #58222 stopped at the first
+  live entry of an insertion-ordered dict and stranded expired ones).
+* A lease is a slot of :class:`~kvproto.holder_leases.LeaseTable` (columns,
+  nothing GC-tracked per lease); sessions are named in it by serial.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from kvproto.config import LeaseConfig
 from kvproto.errors import LocalProtocolError, RemoteProtocolError
 from kvproto.events import FreeBlocks, HolderOutput, ReleaseReason, SendFrame
 from kvproto.holder_leases import SEVERAL, STATE_INDEX, STATES, TERMINAL, UNSCHEDULED, LeaseTable
+from kvproto.holder_timers import DeadlineQueue
 from kvproto.leaseset import LeaseSet
 from kvproto.ratelimit import ReplayWindow, TokenBucket
 from kvproto.states import (
@@ -132,7 +136,7 @@ class Holder:
             entropy=entropy,
         )
         self._leases = LeaseTable()
-        self._lease_heap: list[tuple[float, int]] = []
+        self._lease_deadlines = DeadlineQueue()
         self._session_heap: list[tuple[float, int]] = []
         self._sessions: dict[PeerId, _Session] = {}
         self._by_serial: dict[int, _Session] = {}
@@ -284,8 +288,9 @@ class Holder:
     def get_timer(self) -> float | None:
         """The next time :meth:`handle_timer` has work, or None."""
         times = []
-        if self._lease_heap:
-            times.append(self._lease_heap[0][0])
+        lease_due = self._lease_deadlines.next_due()
+        if lease_due is not None:
+            times.append(lease_due)
         if self._session_heap:
             times.append(self._session_heap[0][0])
         if self._tombstones:
@@ -307,8 +312,8 @@ class Holder:
                 for lease_id in list(session.leases):
                     self._detach(self._slot(lease_id), session)
         table = self._leases
-        while self._lease_heap and self._lease_heap[0][0] <= now:
-            due, lease_id = heapq.heappop(self._lease_heap)
+        # Ending or re-scheduling a lease here never schedules anything due by now.
+        for due, lease_id in self._lease_deadlines.take_due(now):
             slot = table.slot(lease_id)
             if slot is None or table.due[slot] != due or TERMINAL[table.states[slot]]:
                 continue
@@ -852,7 +857,7 @@ class Holder:
         if table.due[slot] <= due:  # False while UNSCHEDULED (NaN)
             return  # the earlier canonical entry will fire and re-schedule
         table.due[slot] = due
-        heapq.heappush(self._lease_heap, (due, table.ids[slot]))
+        self._lease_deadlines.push(due, table.ids[slot])
 
     def _schedule_session(self, session: _Session) -> None:
         session.heap_due = session.deadline

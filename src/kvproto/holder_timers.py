@@ -1,0 +1,111 @@
+"""The holder's lease deadlines: a min-queue of (due, lease id) without an object per entry.
+
+A heap of ``(float, int)`` tuples costs ~100 B an entry (the tuple, a boxed
+float and a boxed int), and a holder keeps one entry per live lease. But the
+deadlines a holder schedules come in a few rising sequences: grants at the
+default TTL, hard deadlines (grant + max_hold) re-scheduled in grant order,
+session fall-backs. So the queue keeps a few *lanes*, each a pair of arrays
+(16 B an entry) sorted by ``(due, lease id)``: an entry joins the lane whose
+last entry it follows most closely, and only an entry that follows none goes
+to a small fallback heap.
+
+Entries leave in exactly the order of one heap holding them all, ties broken
+by lease id, so moving the holder from a heap to this queue changes no output
+order.
+"""
+
+from __future__ import annotations
+
+import heapq
+from array import array
+from bisect import bisect_right
+
+LANES = 4
+"""Sorted lanes kept; more rising sequences than this spill into the heap."""
+_COMPACT_AT = 4096
+"""A lane drops its consumed head once it is this long and half consumed."""
+
+
+class _Lane:
+    __slots__ = ("dues", "head", "ids")
+
+    def __init__(self) -> None:
+        self.dues = array("d")
+        self.ids = array("Q")
+        self.head = 0
+        """Entries before ``head`` have left the queue."""
+
+    def empty(self) -> bool:
+        return self.head == len(self.dues)
+
+    def last(self) -> tuple[float, int]:
+        return self.dues[-1], self.ids[-1]
+
+    def take_until(self, now: float) -> list[tuple[float, int]]:
+        """Remove and return the entries due by ``now`` (in order)."""
+        head = self.head
+        stop = bisect_right(self.dues, now, head)
+        taken = list(zip(self.dues[head:stop], self.ids[head:stop], strict=True))
+        self.head = stop
+        if stop == len(self.dues):
+            del self.dues[:], self.ids[:]
+            self.head = 0
+        elif stop >= _COMPACT_AT and 2 * stop >= len(self.dues):
+            del self.dues[:stop], self.ids[:stop]
+            self.head = 0
+        return taken
+
+
+class DeadlineQueue:
+    """(due, lease id) entries; :meth:`take_due` returns those due, smallest first."""
+
+    __slots__ = ("_heap", "_lanes")
+
+    def __init__(self) -> None:
+        self._lanes = tuple(_Lane() for _ in range(LANES))
+        self._heap: list[tuple[float, int]] = []
+
+    def push(self, due: float, lease_id: int) -> None:
+        """Add an entry (duplicates are the caller's to skip when they come out)."""
+        entry = (due, lease_id)
+        best: _Lane | None = None
+        best_last: tuple[float, int] | None = None
+        spare: _Lane | None = None
+        for lane in self._lanes:
+            if lane.empty():
+                spare = spare or lane
+                continue
+            last = lane.last()
+            if last <= entry and (best_last is None or last > best_last):
+                best, best_last = lane, last
+        chosen = best or spare
+        if chosen is None:
+            heapq.heappush(self._heap, entry)
+            return
+        chosen.dues.append(due)
+        chosen.ids.append(lease_id)
+
+    def next_due(self) -> float | None:
+        """The smallest due, or None if the queue is empty."""
+        dues = [lane.dues[lane.head] for lane in self._lanes if not lane.empty()]
+        if self._heap:
+            dues.append(self._heap[0][0])
+        return min(dues) if dues else None
+
+    def take_due(self, now: float) -> list[tuple[float, int]]:
+        """Remove and return every entry due by ``now``, in (due, lease id) order."""
+        runs = [lane.take_until(now) for lane in self._lanes if not lane.empty()]
+        heap = self._heap
+        if heap and heap[0][0] <= now:
+            run = []
+            while heap and heap[0][0] <= now:
+                run.append(heapq.heappop(heap))
+            runs.append(run)
+        runs = [run for run in runs if run]
+        if len(runs) == 1:
+            return runs[0]
+        # Sorted runs: the sort merges them (Timsort finds the runs).
+        return sorted(entry for run in runs for entry in run)
+
+    def __len__(self) -> int:
+        return sum(len(lane.dues) - lane.head for lane in self._lanes) + len(self._heap)
