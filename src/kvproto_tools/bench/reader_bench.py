@@ -18,7 +18,7 @@ from kvproto import wire
 from kvproto.events import Connect, SendFrame
 from kvproto.holder import Holder
 from kvproto.reader import Reader
-from kvproto.ticket import LeaseTicket
+from kvproto.ticket import LeaseTicket, claim_proof, ticket_problem
 from kvproto_tools.bench import anchor
 from kvproto_tools.bench.figures import Figure
 from kvproto_tools.bench.fixtures import bench_config, vllm_request_ids
@@ -119,6 +119,8 @@ def measure(n: int, engines: int, plan: Plan) -> list[Figure]:
         _track_all(cl.reader, cl.tickets)
         _settle(cl)
 
+    floor = _track_floor_ns(cl.tickets, track_reps)
+
     vd = anchor.VllmDecode()
     for rid, engine in zip(anchor_ids(cl), cl.engines, strict=True):
         vd.track(engine, rid)
@@ -176,6 +178,14 @@ def measure(n: int, engines: int, plan: Plan) -> list[Figure]:
             anchor_value=statistics.median(theirs_track),
         ),
         Figure(
+            name=f"reader.track_floor.{tag}",
+            size=n,
+            value=floor,
+            unit="ns",
+            anchor="vllm-v4 on_new_request",
+            anchor_value=statistics.median(theirs_track),
+        ),
+        Figure(
             name=f"reader.idle_step.{tag}",
             size=n,
             value=kv_idle / 1e3,
@@ -200,6 +210,22 @@ def measure(n: int, engines: int, plan: Plan) -> list[Figure]:
             anchor_value=statistics.median(vsizes) / n,
         ),
     ]
+
+
+def _track_floor_ns(tickets: list[LeaseTicket], repeats: int) -> float:
+    """Per ticket: what any authenticated track must do -- validate it, compute its claim proof.
+
+    The proof is keyed by the ticket's own token, so no two tickets share work
+    and nothing can be cached: this is the floor under ``reader.track``."""
+    samples = []
+    with no_gc():
+        for _ in range(repeats):
+            start = time.perf_counter_ns()
+            for ticket in tickets:
+                ticket_problem(ticket)
+                claim_proof(ticket.token, "D", ticket.lease)
+            samples.append((time.perf_counter_ns() - start) / len(tickets))
+    return statistics.median(samples)
 
 
 def anchor_ids(cl: _Cluster) -> list[str]:
