@@ -29,7 +29,8 @@ import functools
 import hashlib
 import hmac
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import msgspec
 
@@ -324,54 +325,99 @@ def decode(data: bytes, key: bytes | None = None) -> Message:
 
 
 def _validate(msg: Message) -> None:
-    """Range checks msgspec's types cannot express."""
-    ints: list[int] = []
-    if isinstance(msg, Heartbeat):
-        ints = [msg.seq, msg.count, msg.digest]
-        ints.extend(c.lease for c in msg.claims)
-        ints.extend(c.lease for c in msg.aborts)
-        if msg.full is not None:
-            ints.extend(msg.full)
-            ints.append(sum(msg.full))  # the largest id it decodes to must be a uint64 too
-        for c in (*msg.claims, *msg.aborts):
-            _check_proof(c)
-    elif isinstance(msg, Done):
-        ints = [msg.claim.lease]
-        _check_proof(msg.claim)
-    elif isinstance(msg, HeartbeatAck):
-        ints = [msg.seq, *msg.lost, *(lease for lease, _ in msg.held)]
-        _check_finite(msg.clock, *(left for _, left in msg.held))
-    elif isinstance(msg, (Hello, Welcome)):
-        ints = [msg.rank, msg.tp_size, msg.incarnation]
-        if isinstance(msg, Hello):
-            ints.append(msg.attempt)
-            if msg.anchor is not None:
-                ints.append(msg.anchor.lease)
-                _check_proof(msg.anchor)
-        if msg.tp_size < 1 or msg.rank >= msg.tp_size:
-            raise RemoteProtocolError("rank outside TP size")
-        if len(msg.nonce) != 16:
-            raise RemoteProtocolError("nonce must be 16 bytes")
-        if isinstance(msg, Welcome):
-            if len(msg.server_nonce) != 16:
-                raise RemoteProtocolError("nonce must be 16 bytes")
-            p = msg.params
-            _check_finite(msg.clock, p.duration, p.interval, p.extension)
-            if p.max_hold is not None:
-                _check_finite(p.max_hold)
-            if not 0 < p.interval < p.extension:
-                raise RemoteProtocolError("advertised lease parameters are nonsense")
-    elif isinstance(msg, DoneAck):
-        ints = [msg.lease, msg.verdict]
-        if len(msg.proof) not in (0, MAC_LEN):
-            raise RemoteProtocolError("verdict proof must be empty or 16 bytes")
-    elif isinstance(msg, Revoke):
-        ints = [msg.reason, *msg.leases]
-    else:
-        ints = [msg.reason, msg.seq]
-    for value in ints:
+    """Range checks msgspec's types cannot express: the message's own, then its integers'."""
+    for value in _CHECKS[type(msg)](msg):
         if not 0 <= value <= MAX_U64:
             raise RemoteProtocolError(f"integer {value} out of range")
+
+
+def _hello(msg: Hello) -> list[int]:
+    ints = [msg.rank, msg.tp_size, msg.incarnation, msg.attempt]
+    if msg.anchor is not None:
+        _check_proof(msg.anchor)
+        ints.append(msg.anchor.lease)
+    _check_session(msg)
+    return ints
+
+
+def _welcome(msg: Welcome) -> list[int]:
+    _check_session(msg)
+    _check_nonce(msg.server_nonce)
+    p = msg.params
+    _check_finite(msg.clock, p.duration, p.interval, p.extension)
+    if p.max_hold is not None:
+        _check_finite(p.max_hold)
+    if not 0 < p.interval < p.extension:
+        raise RemoteProtocolError("advertised lease parameters are nonsense")
+    return [msg.rank, msg.tp_size, msg.incarnation]
+
+
+def _heartbeat(msg: Heartbeat) -> list[int]:
+    ints = [msg.seq, msg.count, msg.digest]
+    for c in msg.claims:
+        _check_proof(c)
+        ints.append(c.lease)
+    for c in msg.aborts:
+        _check_proof(c)
+        ints.append(c.lease)
+    if msg.full is not None:
+        ints.extend(msg.full)
+        ints.append(sum(msg.full))  # the largest id it decodes to must be a uint64 too
+    return ints
+
+
+def _heartbeat_ack(msg: HeartbeatAck) -> list[int]:
+    ints = [msg.seq, *msg.lost]
+    times = [msg.clock]
+    for lease, left in msg.held:
+        ints.append(lease)
+        times.append(left)
+    _check_finite(*times)
+    return ints
+
+
+def _done(msg: Done) -> list[int]:
+    _check_proof(msg.claim)
+    return [msg.claim.lease]
+
+
+def _done_ack(msg: DoneAck) -> list[int]:
+    if len(msg.proof) not in (0, MAC_LEN):
+        raise RemoteProtocolError("verdict proof must be empty or 16 bytes")
+    return [msg.lease, msg.verdict]
+
+
+def _revoke(msg: Revoke) -> list[int]:
+    return [msg.reason, *msg.leases]
+
+
+def _reject(msg: Reject) -> list[int]:
+    return [msg.reason, msg.seq]
+
+
+_CHECKS: dict[type[Message], Callable[[Any], list[int]]] = {
+    Hello: _hello,
+    Welcome: _welcome,
+    Heartbeat: _heartbeat,
+    HeartbeatAck: _heartbeat_ack,
+    Done: _done,
+    DoneAck: _done_ack,
+    Revoke: _revoke,
+    Reject: _reject,
+}
+"""Message type -> its own checks (raising :class:`RemoteProtocolError`), returning the
+integers that must be uint64s; the decoder yields exactly these types."""
+
+
+def _check_session(msg: Hello | Welcome) -> None:
+    if msg.tp_size < 1 or msg.rank >= msg.tp_size:
+        raise RemoteProtocolError("rank outside TP size")
+    _check_nonce(msg.nonce)
+
+
+def _check_nonce(nonce: bytes) -> None:
+    if len(nonce) != 16:
+        raise RemoteProtocolError("nonce must be 16 bytes")
 
 
 def _check_finite(*values: float) -> None:
