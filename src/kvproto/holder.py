@@ -192,7 +192,7 @@ class Holder:
         return self._request_problem(ticket)
 
     def _request_problem(self, ticket: LeaseTicket) -> str | None:
-        if ticket.request_id and self._leases.slot_of_request(ticket.request_id) is not None:
+        if ticket.request_id and self._leases.has_request(ticket.request_id):
             return f"request {ticket.request_id!r} already has a lease"
         return None
 

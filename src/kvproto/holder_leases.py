@@ -37,13 +37,73 @@ SEVERAL = -1
 _NO_PROOF = bytes(PROOF_BYTES)
 
 
+class _IdIndex:
+    """Lease id → slot without an int object per entry.
+
+    Lease ids are minted in sequence (by this holder or by the scheduler whose
+    tickets it adopts), so the ids alive at once mostly differ below the table
+    size: an array indexed by ``id & mask`` finds them in one probe. An id whose
+    home is taken goes to a small dict. The table doubles once half full, and
+    every lookup is one probe plus, if anything overflowed, a dict lookup: a
+    peer sending ids that collide costs the holder no more than any other id.
+    """
+
+    __slots__ = ("_home", "_mask", "_overflow", "count")
+
+    def __init__(self, size: int = 1024) -> None:
+        self._home = array("i", [-1]) * size
+        self._mask = size - 1
+        self._overflow: dict[int, int] = {}
+        self.count = 0
+
+    def get(self, lease_id: int, ids: list[int]) -> int | None:
+        """The slot of ``lease_id`` (``ids``: the lease id of each slot), or None."""
+        slot = self._home[lease_id & self._mask]
+        if slot >= 0 and ids[slot] == lease_id:
+            return slot
+        overflow = self._overflow
+        return overflow.get(lease_id) if overflow else None
+
+    def put(self, lease_id: int, slot: int, ids: list[int]) -> None:
+        """Index a lease id the index does not hold yet."""
+        self.count += 1
+        if 2 * self.count > len(self._home):
+            self._rebuild(2 * len(self._home), ids)
+        self._place(lease_id, slot)
+
+    def remove(self, lease_id: int, slot: int) -> None:
+        """Drop the entry of ``lease_id`` (held, at ``slot``)."""
+        self.count -= 1
+        home = lease_id & self._mask
+        if self._home[home] == slot:
+            self._home[home] = -1
+        else:
+            del self._overflow[lease_id]
+
+    def _place(self, lease_id: int, slot: int) -> None:
+        home = lease_id & self._mask
+        if self._home[home] < 0:
+            self._home[home] = slot
+        else:
+            self._overflow[lease_id] = slot
+
+    def _rebuild(self, size: int, ids: list[int]) -> None:
+        held = [slot for slot in self._home if slot >= 0]
+        held += self._overflow.values()
+        self._home = array("i", [-1]) * size
+        self._mask = size - 1
+        self._overflow = {}
+        for slot in held:
+            self._place(ids[slot], slot)
+
+
 class LeaseTable:
     """Every lease a holder still knows (live ones and tombstoned ended ones)."""
 
     __slots__ = (
         "_by_request",
         "_free",
-        "_slot",
+        "_index",
         "consumers",
         "due",
         "expected",
@@ -62,14 +122,15 @@ class LeaseTable:
     )
 
     def __init__(self) -> None:
-        self._slot: dict[int, int] = {}
-        """Lease id → slot (an untracked dict: ints only)."""
+        self._index = _IdIndex()
+        """Lease id → slot."""
         self._by_request: dict[str, int] = {}
-        """Request id → slot, for leases that have one; shares the slot ints of ``_slot``."""
+        """Request id → lease id (the int of ``ids``: an entry costs no int of its own)."""
         self._free = array("q")
         """Slots of forgotten leases, reused before the columns grow."""
-        self.ids = array("Q")
-        """The lease id in each slot."""
+        self.ids: list[int] = []
+        """The lease id in each slot: the ticket's own int, which the index, the
+        session sets and the outputs then share (an array would box a new one each read)."""
         self.request_ids: list[str] = []
         """The holder's request id (``""`` when none)."""
         self.tokens = bytearray()
@@ -103,21 +164,32 @@ class LeaseTable:
 
     def slot(self, lease_id: int) -> int | None:
         """The slot of ``lease_id``, or None if the table does not hold it."""
-        return self._slot.get(lease_id)
+        return self._index.get(lease_id, self.ids)
 
     def slot_of_request(self, request_id: str) -> int | None:
         """The slot of the lease of ``request_id``, or None."""
-        return self._by_request.get(request_id)
+        lease_id = self._by_request.get(request_id)
+        return None if lease_id is None else self._index.get(lease_id, self.ids)
 
-    def __contains__(self, lease_id: object) -> bool:
-        return lease_id in self._slot
+    def has_request(self, request_id: str) -> bool:
+        """A held lease has ``request_id``."""
+        return request_id in self._by_request
+
+    def __contains__(self, lease_id: int) -> bool:
+        return self._index.get(lease_id, self.ids) is not None
 
     def __len__(self) -> int:
-        return len(self._slot)
+        return self._index.count
 
     def add(self, ticket: LeaseTicket, now: float, max_hold: float) -> int:
         """Hold ``ticket``'s lease, GRANTED; its slot."""
         request_id = ticket.request_id
+        lease_id = ticket.lease
+        held = self.slot(lease_id)
+        if held is not None:
+            # Held already (a holder granting and adopting from one id space): the
+            # newer lease takes the id, as a dict assignment would have it.
+            self._drop(lease_id, held)
         if self._free:
             slot = self._free.pop()
             self.ids[slot] = ticket.lease
@@ -148,19 +220,24 @@ class LeaseTable:
             self.expected.append(0)
             self.reader_tp.append(0)
             self.holder.append(0)
-        self._slot[ticket.lease] = slot
+        self._index.put(lease_id, slot, self.ids)
         if request_id:
-            self._by_request[request_id] = slot
+            self._by_request[request_id] = lease_id
         return slot
 
     def forget(self, lease_id: int) -> None:
         """Drop the lease (if held); its slot is reused."""
-        slot = self._slot.pop(lease_id, None)
+        slot = self.slot(lease_id)
         if slot is None:
             return
         request_id = self.request_ids[slot]
-        if request_id and self._by_request.get(request_id) == slot:
+        if request_id and self._by_request.get(request_id) == lease_id:
             del self._by_request[request_id]
+        self._drop(lease_id, slot)
+
+    def _drop(self, lease_id: int, slot: int) -> None:
+        self._index.remove(lease_id, slot)
+        self.ids[slot] = -1  # ids are uint64 (wire): no lookup matches a free slot
         self.request_ids[slot] = ""
         self.owners[slot] = None
         self.consumers.pop(slot, None)
