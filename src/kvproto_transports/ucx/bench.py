@@ -11,21 +11,23 @@ result keys), so the bench can print both in one table:
 
 ``*_raw`` is the floor: two bare ucxx workers in this thread, tagged messages
 and UCP ``get`` through :mod:`._ucp`, progressed by busy polling.
-``*_transport`` is two :class:`UcxTransport` endpoints, each with its engine
-thread, polled from this thread as a binding would. Both run over TCP on
-localhost (the transport's default); variants alternate iteration by
-iteration so that machine noise hits both alike.
+``*_transport`` is two :class:`UcxTransport` endpoints polled from this thread
+as a binding would; each call runs the engine's step on this thread, and each
+endpoint's engine thread serves what nobody polls for (here: the holder's side
+of a read). Both run over TCP on localhost (the transport's default); variants
+alternate iteration by iteration so that machine noise hits both alike.
 
 The two variants do not do the same work, in both directions: the raw read
 plans its segments (:func:`.plan.plan_read`) once, outside the timed region,
 where the transport plans every request in ``read_blocks`` (~20 us for this
-read); the raw floor busy-polls both workers on the caller's thread, where
-the transport hands every send and every arrival between the caller's
-thread and its engine thread, which sleeps in epoll when idle (three thread
-hand-offs each way of a round trip: caller to engine, engine to the peer's
-engine, engine to the peer's caller; each a wakeup, the floor that keeps
-``notif_rtt`` near 0.3 of raw); the raw read's time includes the holder
-receiving the done notification, the transport's stops at ``ReadCompleted``.
+read); a transport send validates the call, keeps its send budget and
+counters and runs a whole engine step (reap, probes, timers) where the raw
+send is one ``tag_send`` (hop by hop: 15-16 us a send against ~8 us, 11-12 us a
+receiving poll); in a read the holder's engine thread and this thread must
+both run, where the raw floor does both sides in one thread (on a loaded
+machine the read's median grows with the load far faster than the raw one); the
+raw read's time includes the holder receiving the done notification, the
+transport's stops at ``ReadCompleted``.
 """
 
 from __future__ import annotations
