@@ -39,100 +39,97 @@ class Steps(Protocol):
         """Bring up the next incarnation of ``eng``."""
 
 
-class LedgerView(Protocol):
-    """The time and the books: grant or end a hold, note, count, report a violation."""
+# One protocol per part, each declared once; a view below is the parts it lists.
 
+
+class HasClock(Protocol):
     @property
     def clock(self) -> Agenda:
         """Global virtual time and what is due when."""
 
+
+class HasBooks(Protocol):
     @property
     def books(self) -> Books:
         """Figures, counters, trace and violations."""
 
 
-class ClusterView(LedgerView, Protocol):
-    """The ledger and the cluster: a request leaves the system or is lost with its engine."""
-
+class HasCluster(Protocol):
     @property
     def cluster(self) -> Cluster:
         """The engines (and their sides) and the requests in the system."""
 
 
-class WakeView(ClusterView, Protocol):
-    """The cluster and the step loop: a request reaches an engine, which must step."""
-
+class HasSteps(Protocol):
     @property
     def steps(self) -> Steps:
         """The engines' step loop."""
 
 
-class FreeView(LedgerView, Protocol):
-    """The ledger and the policy: a holder rank frees a lease (the fence is kvproto's)."""
-
+class HasPolicy(Protocol):
     @property
     def policy(self) -> Policy:
         """How engines keep blocks for a reader."""
 
 
-class GrantView(WakeView, FreeView, Protocol):
-    """Blocks are granted and the request routed to its reader: after prefill, and for turn 2."""
-
-    @property
-    def settings(self) -> Settings:
-        """The model constants (prefill time, proxy hop)."""
-
-
-class RequestView(GrantView, Protocol):
-    """The reader's part of a request's life: track, read, use or recompute, then decode."""
-
+class HasScenario(Protocol):
     @property
     def scenario(self) -> Scenario:
-        """What is simulated (decode step length)."""
+        """What is simulated (faults, link delay, decode step length)."""
 
 
-class CopyView(LedgerView, Protocol):
-    """The ledger and the network: a read's data arrived (and, with liveness, L2 is due)."""
+class HasSettings(Protocol):
+    @property
+    def settings(self) -> Settings:
+        """The model constants (prefill time, proxy hop, handshake cost and timeout)."""
 
+
+class HasFabric(Protocol):
     @property
     def fabric(self) -> Fabric:
         """The network: links, endpoints, reads in flight."""
 
+
+class HasLiveness(Protocol):
     @property
     def liveness(self) -> bool:
         """Whether the liveness bounds (L1-L3) are checked."""
 
 
-class HandshakeView(WakeView, Protocol):
-    """What a side-channel handshake needs: the holder, the links, its timing."""
-
-    @property
-    def fabric(self) -> Fabric:
-        """The network: whether a link is partitioned."""
-
-    @property
-    def scenario(self) -> Scenario:
-        """What is simulated (the link delay)."""
-
-    @property
-    def settings(self) -> Settings:
-        """The model constants (handshake cost and timeout)."""
+class LedgerView(HasClock, HasBooks, Protocol):
+    """The time and the books: grant or end a hold, note, count, report a violation."""
 
 
-class FaultView(WakeView, Protocol):
-    """What the faults touch: engines die (with their requests and holds), restart, links cut."""
+class ClusterView(LedgerView, HasCluster, Protocol):
+    """The ledger and the cluster: a request leaves the system or is lost with its engine."""
 
-    @property
-    def fabric(self) -> Fabric:
-        """The network: crashes and partitions."""
 
-    @property
-    def scenario(self) -> Scenario:
-        """What is simulated (which faults, when)."""
+class WakeView(ClusterView, HasSteps, Protocol):
+    """The cluster and the step loop: a request reaches an engine, which must step."""
 
-    @property
-    def liveness(self) -> bool:
-        """Whether L1 is checked for a crashed reader's holds."""
+
+class FreeView(LedgerView, HasPolicy, Protocol):
+    """The ledger and the policy: a holder rank frees a lease (the fence is kvproto's)."""
+
+
+class GrantView(WakeView, FreeView, HasSettings, Protocol):
+    """Blocks are granted and the request routed to its reader: after prefill, and for turn 2."""
+
+
+class RequestView(GrantView, HasScenario, Protocol):
+    """The reader's part of a request's life: track, read, use or recompute, then decode."""
+
+
+class CopyView(LedgerView, HasFabric, HasLiveness, Protocol):
+    """The ledger and the network: a read's data arrived (and, with liveness, L2 is due)."""
+
+
+class HandshakeView(WakeView, HasFabric, HasScenario, HasSettings, Protocol):
+    """A side-channel handshake: the holder, whether the links are cut, its timing."""
+
+
+class FaultView(WakeView, HasFabric, HasScenario, HasLiveness, Protocol):
+    """The faults: engines die (with their requests and holds), restart; links are cut."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
