@@ -184,3 +184,45 @@ def test_a_crashed_engine_reports_its_peers_lost_and_refuses_calls(
     assert [e.peer for e in got if isinstance(e, PeerLost)] == [pb]
     with pytest.raises(TransportClosed, match="engine crashed"):
         a.send(pb, b"after the crash")
+
+
+def test_sends_from_many_threads_while_both_sides_poll_arrive_once_each(
+    make: Callable[..., UcxTransport],
+) -> None:
+    # Every call runs the engine's step on its own thread when the step is free,
+    # and only queues when another thread holds it: no payload may be lost,
+    # doubled or left waiting for the engine thread's idle wait.
+    import threading
+
+    a, b = make(idle_wait_ms=10_000), make(idle_wait_ms=10_000)
+    pb = a.add_peer(b.metadata())
+    per_thread, threads = 300, 4
+    stop = threading.Event()
+
+    def poll_a() -> None:  # a's events (none expected) are polled concurrently too
+        while not stop.is_set():
+            a.poll()
+            time.sleep(0.0001)
+
+    def send(k: int) -> None:
+        for i in range(per_thread):
+            a.send(pb, f"{k}:{i}".encode())
+
+    poller = threading.Thread(target=poll_a)
+    senders = [threading.Thread(target=send, args=(k,)) for k in range(threads)]
+    poller.start()
+    for s in senders:
+        s.start()
+    for s in senders:
+        s.join(30)
+    want = {f"{k}:{i}".encode() for k in range(threads) for i in range(per_thread)}
+    got = _until(
+        b,
+        lambda evs: len([e for e in evs if isinstance(e, Received)]) >= len(want),
+        timeout_s=5.0,  # far under the 10 s idle wait: the callers moved everything
+    )
+    stop.set()
+    poller.join(5)
+    payloads = [e.payload for e in got if isinstance(e, Received)]
+    assert sorted(payloads) == sorted(want)
+    assert a.stats.notifications_sent == len(want)
