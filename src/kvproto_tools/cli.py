@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from kvproto_tools.outpaths import OutputPathError, check_output
 from kvproto_tools.sim.console import Out, make_console, progress
 from kvproto_tools.sim.engine import RunResult
+from kvproto_tools.sim.oracles import Violation
 from kvproto_tools.sim.policies import DEFAULT_POLICIES, POLICIES
 from kvproto_tools.sim.report import print_report, write_json
 from kvproto_tools.sim.scenarios import DEFAULT_SET, FAULT_SCENARIOS, SCENARIOS
@@ -174,42 +175,69 @@ def _delegate(module: str, argv: Sequence[str], what: str) -> int:
 
 
 def _violations(console: Out, results: Sequence[RunResult], *, trace_all: bool) -> int:
-    """Print violating runs; returns how many kvproto runs violated an oracle."""
-    bad = [r for r in results if r.violations or r.liveness]
-    single = len(results) == 1
-    fenced = [r for r in bad if r.policy == FENCED_POLICY]
-    others = [r for r in bad if r.policy != FENCED_POLICY]
-    for r in fenced + (others if trace_all or single else []):
-        first = (r.violations + r.liveness)[0]
-        console.print(
-            f"[red]{r.policy} violated {first.kind}[/red] in {r.scenario} seed {r.seed} "
-            f"({len(r.violations)} safety, {r.liveness_violations} liveness): {first.detail}"
-        )
-        console.print(
-            f"  replay: kvproto simulate --scenario {r.scenario} --policy {r.policy} "
-            f"--seed {r.seed}{' --liveness' if r.liveness else ''} --trace"
-        )
-        if first.trace:
-            console.print("  last events before it:")
-            for line in first.trace:
-                console.print("    " + line, markup=False, highlight=False)
-    if others and not (trace_all or single):
-        by_policy: dict[str, list[RunResult]] = {}
-        for r in others:
-            by_policy.setdefault(r.policy, []).append(r)
-        summary = "; ".join(
-            f"{p}: {len(rs)} run(s), e.g. {rs[0].scenario} seed {rs[0].seed} "
-            f"({(rs[0].violations + rs[0].liveness)[0].kind})"
-            for p, rs in by_policy.items()
-        )
-        console.print(
-            f"Known failures of the baselines reproduced - {summary}. "
-            "Add --trace to print their traces."
-        )
+    """Print violating runs; returns how many kvproto runs violated an oracle.
+
+    kvproto's violations are bugs: each is printed in full. The baselines' are
+    their known failures: printed in full only with ``--trace`` (or for a
+    single run), else summed up in one line per policy.
+    """
+    fenced, baselines = _violating_runs(results)
+    in_full = trace_all or len(results) == 1
+    for r in fenced + (baselines if in_full else []):
+        _print_violation(console, r)
+    if baselines and not in_full:
+        console.print(_known_failures(baselines))
     if not fenced:
         n = sum(r.policy == FENCED_POLICY for r in results)
         console.print(f"[green]{FENCED_POLICY}: no oracle violation in {n} run(s).[/green]")
     return len(fenced)
+
+
+def _violating_runs(results: Sequence[RunResult]) -> tuple[list[RunResult], list[RunResult]]:
+    """(kvproto's runs with a violation, the baselines'), each in run order."""
+    split: dict[bool, list[RunResult]] = {True: [], False: []}
+    for r in results:
+        if r.violations or r.liveness:
+            split[r.policy == FENCED_POLICY].append(r)
+    return split[True], split[False]
+
+
+def _first_violation(r: RunResult) -> Violation:
+    """The run's first safety violation, else its first liveness one."""
+    return (r.violations + r.liveness)[0]
+
+
+def _print_violation(console: Out, r: RunResult) -> None:
+    """One violating run: its first violation, the command that replays it, its trace."""
+    first = _first_violation(r)
+    console.print(
+        f"[red]{r.policy} violated {first.kind}[/red] in {r.scenario} seed {r.seed} "
+        f"({len(r.violations)} safety, {r.liveness_violations} liveness): {first.detail}"
+    )
+    console.print(
+        f"  replay: kvproto simulate --scenario {r.scenario} --policy {r.policy} "
+        f"--seed {r.seed}{' --liveness' if r.liveness else ''} --trace"
+    )
+    if first.trace:
+        console.print("  last events before it:")
+        for line in first.trace:
+            console.print("    " + line, markup=False, highlight=False)
+
+
+def _known_failures(baselines: Sequence[RunResult]) -> str:
+    """One line for the baselines' violating runs: per policy, how many and one example."""
+    by_policy: dict[str, list[RunResult]] = {}
+    for r in baselines:
+        by_policy.setdefault(r.policy, []).append(r)
+    summary = "; ".join(
+        f"{p}: {len(rs)} run(s), e.g. {rs[0].scenario} seed {rs[0].seed} "
+        f"({_first_violation(rs[0]).kind})"
+        for p, rs in by_policy.items()
+    )
+    return (
+        f"Known failures of the baselines reproduced - {summary}. "
+        "Add --trace to print their traces."
+    )
 
 
 def _check_simulate(args: argparse.Namespace) -> tuple[list[str], list[str], list[int]]:
