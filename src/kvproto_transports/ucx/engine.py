@@ -15,17 +15,17 @@ thread at a time touches UCX and the engine's state:
 3. receive tagged messages, reap finished sends, flushes and ``get``
    requests, turn broken endpoints into ``PeerLost``.
 
-Two kinds of thread run steps. The API thread that queues a command or
-polls runs one itself when the mutex is free (:meth:`Engine.drive`): a
-``send`` leaves for the socket and a ``poll`` takes what arrived without
-waking another thread. When only the engine thread touched UCX, a round
-trip crossed four Python thread hand-offs (caller to engine, engine to
-caller, each way), 45-60 us of bare hand-off alone, and the transport's
-round trip was 3-3.5x the raw one; driven from the caller, 1.6x (measured
-side by side, ``kvproto bench --suite transport``). The engine's own thread runs a
-step whenever the worker's event fd fires (``ucp_worker_arm``, then
-``poll`` on ucxx's epoll fd with the GIL released) or ``idle_wait_ms``
-pass: it serves the peer's RMA ``get`` over TCP, probes, timeouts and
+Two kinds of thread get in. An API thread that finds the mutex free
+(:meth:`Engine.drive`) carries out its command itself (a ``send`` leaves
+for the socket at once), and ``poll`` runs a whole step, taking what
+arrived without waking another thread. When only the engine thread touched
+UCX, a round trip crossed four Python thread hand-offs (caller to engine,
+engine to caller, each way), 45-60 us of bare hand-off alone, and the
+transport's round trip was 3-3.5x the raw one; driven from the callers,
+1.5-1.7x (measured side by side, ``kvproto bench --suite transport``).
+The engine's own thread runs a step whenever the worker's event fd fires
+(``ucp_worker_arm``, then ``poll`` on ucxx's epoll fd with the GIL
+released) or ``idle_wait_ms`` pass: it serves the peer's RMA ``get`` over TCP, probes, timeouts and
 failures while nobody polls. It waits outside the mutex and outside UCX,
 so an API thread never waits for a sleeping engine.
 
@@ -94,10 +94,10 @@ CLOSE_PERIOD_NS = 1_000_000_000
 """Bound passed to ucxx ``close_blocking`` (it applies with a progress thread only)."""
 
 CALLER_WINDOW_S = 1e-3
-"""While no wakeup callback is set, an API thread that ran a step this recently
-is polling and will run the next one: the engine thread leaves the worker to
-it, unarmed, rather than wake on the event fd and take the GIL for what the
-caller's step does anyway. Measured (notification round trip, 2 cores):
+"""While no wakeup callback is set, a ``poll`` that ran a step this recently
+comes from a polling caller that will run the next one: the engine thread
+leaves the worker to it, unarmed, rather than wake on the event fd and take
+the GIL for what the caller's step does anyway. Measured (notification round trip, 2 cores):
 engine waking on every arrival 85-150 us, windows of 0.2 ms 56-170 us (the
 engine re-checking that often still collides), 1 ms 54-61 us, raw 36-38 us.
 What only the engine thread would do (serve a peer's ``get`` once the caller
@@ -204,16 +204,23 @@ class Engine:
             raise UcxUnavailable(f"UCX did not start within {timeout_s} s") from exc
 
     def submit(self, command: Command) -> None:
-        """Queue a command and carry it out now if no other thread runs a step (any thread)."""
+        """Queue a command and carry it out now if no other thread is in the engine (any thread).
+
+        Only the queued commands run here, not the rest of a step: a ``send``
+        goes to the socket at once, and what it would find (arrivals, finished
+        sends, a handshake's end) is for the next ``poll`` or the engine thread,
+        as before, so a loop of sends does not advance connections under itself.
+        """
         self._commands.append(command)
-        self.drive(notify=True)
+        self.drive(whole_step=False)
 
-    def drive(self, *, notify: bool) -> None:
-        """Run one step on this thread, unless another thread is running one (any thread).
+    def drive(self, *, whole_step: bool) -> None:
+        """Run the queued commands, and with ``whole_step`` a whole step, on this thread (any).
 
-        Never waits: a busy mutex means a step is under way, and the engine
-        thread looks at the command queue again before it sleeps. ``notify``:
-        call :attr:`wakeup` if events wait (``poll`` passes False: it takes them).
+        Never waits: a busy mutex means another thread is in the engine, and
+        the engine thread looks at the command queue again before it sleeps.
+        ``poll`` passes ``whole_step=True`` (it takes the events itself, so no
+        wakeup); the commands alone call :attr:`wakeup` if events wait.
         """
         if not self._mutex.acquire(blocking=False):
             # Another API thread may be past its command loop: wake a sleeping
@@ -225,10 +232,14 @@ class Engine:
             if self._stopping or self._worker is None:
                 return
             try:
-                self._step(notify=notify)
+                if whole_step:
+                    self._step(notify=False)
+                    self._caller_step_at = time.monotonic()
+                else:
+                    self._run_commands()
+                    self._notify()
             except Exception as exc:
                 self._crash(exc)
-            self._caller_step_at = time.monotonic()
             stopping = self._stopping
         finally:
             self._mutex.release()
@@ -328,9 +339,12 @@ class Engine:
                 return
             time.sleep(left)
 
-    def _step(self, *, notify: bool) -> None:
+    def _run_commands(self) -> None:
         while self._commands:
             self._run(self._commands.popleft())
+
+    def _step(self, *, notify: bool) -> None:
+        self._run_commands()
         if self._stopping:
             return
         # Drain what UCX has before the Python-level bookkeeping: a read over

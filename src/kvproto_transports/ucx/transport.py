@@ -289,7 +289,7 @@ class UcxTransport:
             self._check(failed_ok=True)
         # Progress UCX here, on the caller's thread, rather than wait for the
         # engine thread to wake up, do it and hand the events over.
-        self._engine.drive(notify=False)
+        self._engine.drive(whole_step=True)
         events = self._shared.events
         out: list[TransportEvent] = []
         # Test before popping instead of ending on an IndexError raised by every poll;
@@ -304,9 +304,9 @@ class UcxTransport:
     def set_wakeup(self, callback: Callable[[], None] | None) -> None:
         """Have ``callback`` called whenever events wait for :meth:`poll`; None removes it.
 
-        It runs on the engine thread, or on a thread whose ``send``,
-        ``read_blocks`` or peer call ran an engine step, once per step while
-        events are unpolled (so possibly again before the next ``poll``): it must be
+        It runs on the engine thread, once per step, or on a thread whose
+        ``send``, ``read_blocks`` or peer call ran its command, while events
+        are unpolled (so possibly again before the next ``poll``): it must be
         cheap, thread-safe and must not call this transport (asyncio:
         ``loop.call_soon_threadsafe`` behind a flag, see
         :mod:`kvproto_binding.aio`).
