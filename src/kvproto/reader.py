@@ -2,9 +2,12 @@
 
 Sans-I/O like :mod:`kvproto.holder`. One :class:`Reader` serves one reader
 rank; it keeps the requests and ties the parts together: sessions with the
-holder ranks (:mod:`kvproto.reader_session`), what a heartbeat carries
-(:mod:`kvproto.beats`), deadline maths (:mod:`kvproto.bounds`), and the
-per-request bounds and read deferral (:mod:`kvproto.reader_requests`). Reads
+holder ranks (:mod:`kvproto.reader_session`) and their timers
+(:mod:`kvproto.reader_timers`), what a heartbeat carries (:mod:`kvproto.beats`),
+deadline maths (:mod:`kvproto.bounds`), the per-request bounds and read
+deferral (:mod:`kvproto.reader_requests`), the dones awaiting their verdict
+(:mod:`kvproto.reader_dones`) and which holder frames are heard at all
+(:mod:`kvproto.reader_frames`). Reads
 are fenced before (:meth:`Reader.begin_read` declines, or defers once for an
 early heartbeat, when the lease may end within ``read_margin``) and after
 (the data counts only once the holder answers HELD to the done that rode the
@@ -19,8 +22,6 @@ means API misuse only (each method's docstring says which).
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import math
 import secrets
 from collections.abc import Callable
@@ -53,6 +54,7 @@ from kvproto.reader_requests import (
     renewable,
 )
 from kvproto.reader_session import ReaderSide, Session, WelcomeProblem
+from kvproto.reader_timers import SessionTimers
 from kvproto.states import (
     DoneAckAction,
     ReadInput,
@@ -86,6 +88,8 @@ _OPEN = SessionState.OPEN
 _READING = ReadState.READING
 _STARTED = frozenset({_READING, _AWAITING_ACK})
 _TARGETS_KEEP = 64
+_UNKNOWN = -math.inf
+_NEVER = math.inf
 
 
 class Reader:
@@ -122,10 +126,12 @@ class Reader:
         self._dones = AwaitedDones(self._requests, self._sessions, config)
         self._targets: dict[int, tuple[int, ...]] = {}
         """Holder TP size → the holder ranks this rank reads from (empty: they do not divide)."""
-        self._timers: list[tuple[float, int, int, Session]] = []
-        self._pushes = itertools.count()
-        """Heap of (next_beat, serial, push number, session); entries whose time is no longer the
-        session's are skipped, so an idle step costs O(1)."""
+        self._timers = SessionTimers()
+        self._wake = _UNKNOWN
+        """The next time timer work is due (inf: none), as :meth:`get_timer` last found it;
+        ``_UNKNOWN`` once an input has come since, as any input may set or clear a timer:
+        every input method forgets it first. An idle step (the binding's ``handle_timer``
+        then ``get_timer`` with no input between) then costs two comparisons."""
         self._out: list[ReaderOutput] = []
 
     # ------------------------------------------------------------------ API
@@ -136,6 +142,7 @@ class Reader:
         A bad ticket fails the request (``RequestFailed``). Tracking an id that
         is tracked already is misuse: :class:`LocalProtocolError`.
         """
+        self._wake = _UNKNOWN
         if request_id in self._requests:
             raise LocalProtocolError(f"request {request_id!r} is already tracked")
         self.stats.tracked += 1
@@ -181,7 +188,7 @@ class Reader:
                 # until the holder has it the lease is not tied to this reader, so the
                 # reader's death would free it only by expiry. Tracks of one engine
                 # step still share one heartbeat; the tick is counted from it.
-                self._schedule(session, now)
+                self._timers.schedule(session, now)
 
     def finish(self, now: float, request_id: str) -> None:
         """The request left the scheduler (finished, aborted, rejected): stop tracking it.
@@ -191,6 +198,7 @@ class Reader:
         An id not tracked (finished already, or never tracked) is counted in
         ``stats.untracked_finishes`` and ignored: finishing is idempotent.
         """
+        self._wake = _UNKNOWN
         req = self._requests.get(request_id)
         if req is None:
             self.stats.untracked_finishes += 1
@@ -226,6 +234,7 @@ class Reader:
         in ``stats.reads_after_failure``. Misuse (:class:`LocalProtocolError`):
         an id not tracked, or one without open sessions (:meth:`ready_to_read`).
         """
+        self._wake = _UNKNOWN
         req = self._get(request_id)
         if req.fail_reason is not None:
             for part in req.parts.values():
@@ -276,6 +285,7 @@ class Reader:
         counted in ``stats.late_read_results`` and ignored; a holder rank the
         request does not read from is misuse (:class:`LocalProtocolError`).
         """
+        self._wake = _UNKNOWN
         req = self._result_of(request_id, holder_rank)
         if req is None:
             return
@@ -295,6 +305,7 @@ class Reader:
 
         Untracked ids and wrong ranks as in :meth:`read_completed`.
         """
+        self._wake = _UNKNOWN
         req = self._result_of(request_id, holder_rank)
         if req is not None:
             self._fail(now, req, FailReason.READ_FAILED)
@@ -305,6 +316,7 @@ class Reader:
         A session that broke meanwhile stays broken (``stats.stale_connects``);
         a session never asked for (no ``Connect`` output) is misuse.
         """
+        self._wake = _UNKNOWN
         session = self._known_session(engine, rank)
         if not session.connected():
             self.stats.stale_connects += 1
@@ -321,15 +333,18 @@ class Reader:
 
         A session never asked for is misuse (:class:`LocalProtocolError`).
         """
+        self._wake = _UNKNOWN
         self._break(now, self._known_session(engine, rank), FailReason.CONNECT_FAILED)
 
     def peer_lost(self, now: float, peer: PeerId) -> None:
         """The transport says ``peer`` is gone: the blocks it held are gone too."""
+        self._wake = _UNKNOWN
         for session in list(self._by_peer.get(peer, ())):
             self._break(now, session, FailReason.LEASE_LOST)
 
     def handle_frame(self, now: float, peer: PeerId, data: bytes) -> None:
         """Apply one notification from a holder. Bad input is dropped and counted."""
+        self._wake = _UNKNOWN
         sessions = self._by_peer.get(peer)
         if not sessions or len(data) > self.config.max_frame_bytes:
             self.stats.unexpected_frames += 1
@@ -356,21 +371,21 @@ class Reader:
 
     def get_timer(self) -> float | None:
         """The next time :meth:`handle_timer` has work, or None."""
-        timers = self._timers
-        while timers and timers[0][3].beats.next_beat != timers[0][0]:
-            heapq.heappop(timers)  # rescheduled since
-        best = timers[0][0] if timers else math.inf
-        if self._deferrals.ids:  # an idle step (benchmarked) asks no more than the heap
-            best = min(best, self._deferrals.next_due())
-        if self._dones.keys:
-            best = min(best, self._dones.next_due())
-        return None if best == math.inf else best
+        wake = self._wake
+        if wake == _UNKNOWN:
+            wake = self._wake = self._next_due()
+        return None if wake == _NEVER else wake
+
+    def _next_due(self) -> float:
+        """The next time :meth:`handle_timer` has work (inf: none), found afresh."""
+        return min(self._timers.next_due(), self._deferrals.next_due(), self._dones.next_due())
 
     def handle_timer(self, now: float) -> None:
         """Send due heartbeats, re-send unacknowledged dones, fence reads whose ack is late."""
-        timers = self._timers
-        if timers and timers[0][0] <= now:  # O(1) when nothing is due
-            self._serve_sessions(now)
+        if now < self._wake:
+            return  # nothing is due (the idle step, benchmarked)
+        self._wake = _UNKNOWN
+        self._serve_sessions(now)
         dones = self._dones
         if dones.keys:
             self.stats.done_resent += dones.serve(
@@ -380,7 +395,7 @@ class Reader:
             self._deferrals.expire(now, lambda req: self._decline(now, req))
 
     def _serve_sessions(self, now: float) -> None:
-        for session in self._due_sessions(now):
+        for session in self._timers.due(now):
             if session.beats.next_beat > now:
                 continue  # rescheduled by an earlier session's work
             if session.state is _HELLO_SENT:
@@ -389,7 +404,7 @@ class Reader:
             elif session.state is _OPEN:
                 self._beat(now, session)
             else:
-                self._schedule(session, math.inf)
+                self._timers.schedule(session, math.inf)
 
     def _decline(self, now: float, req: Request) -> None:
         """The lease may end before the read would: the request recomputes."""
@@ -429,26 +444,6 @@ class Reader:
         """Requests currently tracked."""
         return len(self._requests)
 
-    # ------------------------------------------------------------ timers
-
-    def _schedule(self, session: Session, at: float) -> None:
-        """The session's timer is due at ``at`` (inf: none)."""
-        beats = session.beats
-        if at != beats.next_beat:
-            beats.next_beat = at
-            if at < math.inf:
-                heapq.heappush(self._timers, (at, session.serial, next(self._pushes), session))
-
-    def _due_sessions(self, now: float) -> list[Session]:
-        """Sessions whose timer is due, in creation order (as a scan of all would serve them)."""
-        timers = self._timers
-        due: dict[int, Session] = {}
-        while timers and timers[0][0] <= now:
-            at, serial, _, session = heapq.heappop(timers)
-            if session.beats.next_beat == at:
-                due[serial] = session
-        return [due[serial] for serial in sorted(due)]
-
     # ------------------------------------------------------------ frames
 
     def _fail_lapsed(self, now: float, session: Session) -> None:
@@ -457,7 +452,7 @@ class Reader:
             self._fail(now, self._requests[rid], FailReason.LEASE_LOST)
 
     def _hello(self, now: float, session: Session) -> None:
-        self._schedule(
+        self._timers.schedule(
             session, now + session.interval(self._requests)
         )  # re-Hello if no Welcome by then
         payload = session.hello(now, self._entropy(16), session.anchor(self._requests))
@@ -558,9 +553,9 @@ class Reader:
         params = session.params
         if beats.leases.count or beats.pending_aborts:
             interval = params.interval if params is not None else session.interval(self._requests)
-            self._schedule(session, now + interval)
+            self._timers.schedule(session, now + interval)
         else:
-            self._schedule(session, math.inf)
+            self._timers.schedule(session, math.inf)
         if beats.want_full:
             self.stats.resyncs += 1
         stats, out, peer = self.stats, self._out, session.peer
@@ -681,7 +676,7 @@ class Reader:
 
     def _break(self, now: float, session: Session, reason: FailReason) -> None:
         held = session.lost()
-        self._schedule(session, math.inf)
+        self._timers.schedule(session, math.inf)
         for rid in held:
             req = self._requests.get(rid)
             if req is not None:
