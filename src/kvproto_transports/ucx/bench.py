@@ -12,18 +12,19 @@ result keys), so the bench can print both in one table:
 ``*_raw`` is the floor: two bare ucxx workers in this thread, tagged messages
 and UCP ``get`` through :mod:`._ucp`, progressed by busy polling.
 ``*_transport`` is two :class:`UcxTransport` endpoints polled from this thread
-as a binding would; each call runs the engine's step on this thread, and each
-endpoint's engine thread serves what nobody polls for (here: the holder's side
-of a read). Both run over TCP on localhost (the transport's default); variants
-alternate iteration by iteration so that machine noise hits both alike.
+as a binding would; a send carries out its command and a poll runs the
+engine's step on this thread, and each endpoint's engine thread serves what
+nobody polls for (here: the holder's side of a read). Both run over TCP on
+localhost (the transport's default); variants alternate iteration by
+iteration so that machine noise hits both alike.
 
 The two variants do not do the same work, in both directions: the raw read
 plans its segments (:func:`.plan.plan_read`) once, outside the timed region,
 where the transport plans every request in ``read_blocks`` (~20 us for this
-read); a transport send validates the call, keeps its send budget and
-counters and runs a whole engine step (reap, probes, timers) where the raw
-send is one ``tag_send`` (hop by hop: 15-16 us a send against ~8 us, 11-12 us a
-receiving poll); in a read the holder's engine thread and this thread must
+read); a transport send validates the call and keeps its send budget and
+counters, and a poll runs a whole engine step (reap, probes, timers), where
+the raw send is one ``tag_send`` (hop by hop: 13-15 us a send against 8 us,
+13-14 us a receiving poll); in a read the holder's engine thread and this thread must
 both run, where the raw floor does both sides in one thread (on a loaded
 machine the read's median grows with the load far faster than the raw one); the
 raw read's time includes the holder receiving the done notification, the
