@@ -22,7 +22,7 @@ arrived without waking another thread. When only the engine thread touched
 UCX, a round trip crossed four Python thread hand-offs (caller to engine,
 engine to caller, each way), 45-60 us of bare hand-off alone, and the
 transport's round trip was 3-3.5x the raw one; driven from the callers,
-1.5-1.7x (measured side by side, ``kvproto bench --suite transport``).
+1.6-1.75x (measured side by side, ``kvproto bench --suite transport``).
 The engine's own thread runs a step whenever the worker's event fd fires
 (``ucp_worker_arm``, then ``poll`` on ucxx's epoll fd with the GIL
 released) or ``idle_wait_ms`` pass: it serves the peer's RMA ``get`` over TCP, probes, timeouts and
