@@ -88,8 +88,8 @@ _OPEN = SessionState.OPEN
 _READING = ReadState.READING
 _STARTED = frozenset({_READING, _AWAITING_ACK})
 _TARGETS_KEEP = 64
-_UNKNOWN = -math.inf
-_NEVER = math.inf
+_UNKNOWN = -math.inf  # Reader._wake: an input came since get_timer last looked
+_NEVER = math.inf  # Reader._wake: no timer is set
 
 
 class Reader:
@@ -381,9 +381,12 @@ class Reader:
         return min(self._timers.next_due(), self._deferrals.next_due(), self._dones.next_due())
 
     def handle_timer(self, now: float) -> None:
-        """Send due heartbeats, re-send unacknowledged dones, fence reads whose ack is late."""
+        """Send due heartbeats, re-send unacknowledged dones, fence reads whose ack is late.
+
+        Before the time :meth:`get_timer` said, with no input since, this is one comparison.
+        """
         if now < self._wake:
-            return  # nothing is due (the idle step, benchmarked)
+            return  # nothing is due: the idle step (benchmarked)
         self._wake = _UNKNOWN
         self._serve_sessions(now)
         dones = self._dones
