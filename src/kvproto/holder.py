@@ -46,7 +46,7 @@ from kvproto.states import (
     peer_session_next,
 )
 from kvproto.stats import HolderStats
-from kvproto.ticket import LeaseMint, LeaseTicket, claim_proof, ticket_problem
+from kvproto.ticket import LeaseMint, LeaseTicket, ticket_problem
 from kvproto.tpmath import expected_consumers, target_remote_ranks
 from kvproto.transport import PeerId
 from kvproto.wire import DoneVerdict, RejectReason
@@ -310,7 +310,7 @@ class Holder:
                     self._schedule_session(session)
             else:
                 for lease_id in list(session.leases):
-                    self._detach(self._slot(lease_id), session)
+                    self._detach(self._leases.held_slot(lease_id), session)
         table = self._leases
         # Ending or re-scheduling a lease here never schedules anything due by now.
         for due, lease_id in self._lease_deadlines.take_due(now):
@@ -617,15 +617,12 @@ class Holder:
         if owner is not None and owner != session.engine:
             self.stats.owner_mismatch += 1
             return None
-        proof = table.proof(slot) or claim_proof(table.token(slot), session.engine, claim.lease)
+        proof = table.proof_for(slot, session.engine)
         if not hmac.compare_digest(proof, claim.proof):
             self.stats.bad_proof += 1
             return None
         if owner is None and not TERMINAL[table.states[slot]]:
-            table.owners[slot] = session.engine
-            table.set_proof(slot, proof)
-            table.expected[slot] = session.expected
-            table.reader_tp[slot] = session.tp_size
+            table.set_claimer(slot, session.engine, proof, session.expected, session.tp_size)
             self.stats.claims += 1
         return slot
 
@@ -644,7 +641,7 @@ class Holder:
         wanted = set(wire.delta_decode(deltas))
         holding = set(session.leases)
         for lease_id in holding - wanted:
-            self._detach(self._slot(lease_id), session)
+            self._detach(self._leases.held_slot(lease_id), session)
         for lease_id in wanted - holding:
             slot = table.slot(lease_id)
             if (
@@ -770,12 +767,6 @@ class Holder:
 
     # -------------------------------------------------------- bookkeeping
 
-    def _slot(self, lease_id: int) -> int:
-        """The slot of a lease the holder knows it holds (a session's, a tombstone's)."""
-        slot = self._leases.slot(lease_id)
-        assert slot is not None, f"lease {lease_id} held by a session but not in the table"
-        return slot
-
     def _transition(self, slot: int, event: LeaseInput) -> None:
         states = self._leases.states
         old = STATES[states[slot]]
@@ -791,8 +782,9 @@ class Holder:
 
     def _end(self, now: float, slot: int, event: LeaseInput, reason: ReleaseReason) -> None:
         self._transition(slot, event)
-        for serial in self._leases.holders(slot):
-            self._detach(slot, self._by_serial[serial], fall_back=False)
+        if self._leases.holder[slot]:
+            for serial in self._leases.holders(slot):
+                self._detach(slot, self._by_serial[serial], fall_back=False)
         counter = _END_STATE_COUNTER[reason]
         setattr(self.stats, counter, getattr(self.stats, counter) + 1)
         lease_id = self._leases.ids[slot]
@@ -821,7 +813,7 @@ class Holder:
     def _forget_session(self, now: float, session: _Session, *, lost: bool) -> None:
         # Out of the serial index last: the leases it renews name it until detached.
         for lease_id in list(session.leases):
-            slot = self._slot(lease_id)
+            slot = self._leases.held_slot(lease_id)
             if lost and self._leases.holder[slot] == session.serial:
                 self._end(now, slot, LeaseInput.PEER_LOST, ReleaseReason.PEER_LOST)
             else:

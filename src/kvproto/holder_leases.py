@@ -22,7 +22,7 @@ import math
 from array import array
 
 from kvproto.states import LeaseState
-from kvproto.ticket import PROOF_BYTES, TOKEN_BYTES, LeaseTicket
+from kvproto.ticket import PROOF_BYTES, TOKEN_BYTES, LeaseTicket, claim_proof
 
 STATES = tuple(LeaseState)
 """The state column holds an index into this tuple."""
@@ -35,75 +35,28 @@ SEVERAL = -1
 """``holder`` of a lease renewed by two or more sessions (their serials: ``several``)."""
 
 _NO_PROOF = bytes(PROOF_BYTES)
-
-
-class _IdIndex:
-    """Lease id → slot without an int object per entry.
-
-    Lease ids are minted in sequence (by this holder or by the scheduler whose
-    tickets it adopts), so the ids alive at once mostly differ below the table
-    size: an array indexed by ``id & mask`` finds them in one probe. An id whose
-    home is taken goes to a small dict. The table doubles once half full, and
-    every lookup is one probe plus, if anything overflowed, a dict lookup: a
-    peer sending ids that collide costs the holder no more than any other id.
-    """
-
-    __slots__ = ("_home", "_mask", "_overflow", "count")
-
-    def __init__(self, size: int = 1024) -> None:
-        self._home = array("i", [-1]) * size
-        self._mask = size - 1
-        self._overflow: dict[int, int] = {}
-        self.count = 0
-
-    def get(self, lease_id: int, ids: list[int]) -> int | None:
-        """The slot of ``lease_id`` (``ids``: the lease id of each slot), or None."""
-        slot = self._home[lease_id & self._mask]
-        if slot >= 0 and ids[slot] == lease_id:
-            return slot
-        overflow = self._overflow
-        return overflow.get(lease_id) if overflow else None
-
-    def put(self, lease_id: int, slot: int, ids: list[int]) -> None:
-        """Index a lease id the index does not hold yet."""
-        self.count += 1
-        if 2 * self.count > len(self._home):
-            self._rebuild(2 * len(self._home), ids)
-        self._place(lease_id, slot)
-
-    def remove(self, lease_id: int, slot: int) -> None:
-        """Drop the entry of ``lease_id`` (held, at ``slot``)."""
-        self.count -= 1
-        home = lease_id & self._mask
-        if self._home[home] == slot:
-            self._home[home] = -1
-        else:
-            del self._overflow[lease_id]
-
-    def _place(self, lease_id: int, slot: int) -> None:
-        home = lease_id & self._mask
-        if self._home[home] < 0:
-            self._home[home] = slot
-        else:
-            self._overflow[lease_id] = slot
-
-    def _rebuild(self, size: int, ids: list[int]) -> None:
-        held = [slot for slot in self._home if slot >= 0]
-        held += self._overflow.values()
-        self._home = array("i", [-1]) * size
-        self._mask = size - 1
-        self._overflow = {}
-        for slot in held:
-            self._place(ids[slot], slot)
+_FIRST_INDEX_SIZE = 1024
 
 
 class LeaseTable:
-    """Every lease a holder still knows (live ones and tombstoned ended ones)."""
+    """Every lease a holder still knows (live ones and tombstoned ended ones).
+
+    Lease id → slot without an int object per entry: ids are minted in sequence
+    (by this holder, or by the scheduler whose tickets it adopts), so the ids
+    alive at once mostly differ below the index size, and an array indexed by
+    ``id & mask`` finds them in one probe. An id whose home is taken goes to a
+    small dict. The index doubles once half full; a lookup is one probe plus,
+    if anything overflowed, a dict lookup, so a peer sending ids that collide
+    costs the holder no more than any other id.
+    """
 
     __slots__ = (
         "_by_request",
+        "_count",
         "_free",
-        "_index",
+        "_home",
+        "_mask",
+        "_overflow",
         "consumers",
         "due",
         "expected",
@@ -122,8 +75,12 @@ class LeaseTable:
     )
 
     def __init__(self) -> None:
-        self._index = _IdIndex()
-        """Lease id → slot."""
+        self._home = array("i", [-1]) * _FIRST_INDEX_SIZE
+        """Slot of the lease whose id is ``i`` modulo the size, at ``i & _mask``; -1: none."""
+        self._mask = _FIRST_INDEX_SIZE - 1
+        self._overflow: dict[int, int] = {}
+        """Lease id → slot, for ids whose home was taken."""
+        self._count = 0
         self._by_request: dict[str, int] = {}
         """Request id → lease id (the int of ``ids``: an entry costs no int of its own)."""
         self._free = array("q")
@@ -164,22 +121,33 @@ class LeaseTable:
 
     def slot(self, lease_id: int) -> int | None:
         """The slot of ``lease_id``, or None if the table does not hold it."""
-        return self._index.get(lease_id, self.ids)
+        slot = self._home[lease_id & self._mask]
+        if slot >= 0 and self.ids[slot] == lease_id:
+            return slot
+        overflow = self._overflow
+        return overflow.get(lease_id) if overflow else None
+
+    def held_slot(self, lease_id: int) -> int:
+        """The slot of a lease the caller knows is held (a session's, a tombstone's)."""
+        slot = self.slot(lease_id)
+        if slot is None:
+            raise LookupError(f"lease {lease_id} is not in the table")
+        return slot
 
     def slot_of_request(self, request_id: str) -> int | None:
         """The slot of the lease of ``request_id``, or None."""
         lease_id = self._by_request.get(request_id)
-        return None if lease_id is None else self._index.get(lease_id, self.ids)
+        return None if lease_id is None else self.slot(lease_id)
 
     def has_request(self, request_id: str) -> bool:
         """A held lease has ``request_id``."""
         return request_id in self._by_request
 
     def __contains__(self, lease_id: int) -> bool:
-        return self._index.get(lease_id, self.ids) is not None
+        return self.slot(lease_id) is not None
 
     def __len__(self) -> int:
-        return self._index.count
+        return self._count
 
     def add(self, ticket: LeaseTicket, now: float, max_hold: float) -> int:
         """Hold ``ticket``'s lease, GRANTED; its slot."""
@@ -220,7 +188,14 @@ class LeaseTable:
             self.expected.append(0)
             self.reader_tp.append(0)
             self.holder.append(0)
-        self._index.put(lease_id, slot, self.ids)
+        self._count += 1
+        if 2 * self._count > len(self._home):
+            self._grow_index()
+        home = lease_id & self._mask
+        if self._home[home] < 0:
+            self._home[home] = slot
+        else:
+            self._overflow[lease_id] = slot
         if request_id:
             self._by_request[request_id] = lease_id
         return slot
@@ -235,8 +210,27 @@ class LeaseTable:
             del self._by_request[request_id]
         self._drop(lease_id, slot)
 
+    def _grow_index(self) -> None:
+        held = [slot for slot in self._home if slot >= 0]
+        held += self._overflow.values()
+        size = 2 * len(self._home)
+        self._home = array("i", [-1]) * size
+        self._mask = size - 1
+        self._overflow = {}
+        for slot in held:
+            home = self.ids[slot] & self._mask
+            if self._home[home] < 0:
+                self._home[home] = slot
+            else:
+                self._overflow[self.ids[slot]] = slot
+
     def _drop(self, lease_id: int, slot: int) -> None:
-        self._index.remove(lease_id, slot)
+        self._count -= 1
+        home = lease_id & self._mask
+        if self._home[home] == slot:
+            self._home[home] = -1
+        else:
+            del self._overflow[lease_id]
         self.ids[slot] = -1  # ids are uint64 (wire): no lookup matches a free slot
         self.request_ids[slot] = ""
         self.owners[slot] = None
@@ -266,16 +260,24 @@ class LeaseTable:
         start = slot * TOKEN_BYTES
         return bytes(self.tokens[start : start + TOKEN_BYTES])
 
-    def proof(self, slot: int) -> bytes:
-        """The first claimer's proof, or b"" before the first claim."""
+    def proof_for(self, slot: int, engine: str) -> bytes:
+        """The proof a claim of ``engine`` must carry: the first claimer's, kept, or
+        computed from the token (the caller has checked that ``engine`` may claim)."""
         start = slot * PROOF_BYTES
         proof = bytes(self.proofs[start : start + PROOF_BYTES])
-        return b"" if proof == _NO_PROOF else proof
+        if proof != _NO_PROOF:
+            return proof
+        start = slot * TOKEN_BYTES
+        return claim_proof(bytes(self.tokens[start : start + TOKEN_BYTES]), engine, self.ids[slot])
 
-    def set_proof(self, slot: int, proof: bytes) -> None:
-        """Record the first claimer's proof (PROOF_BYTES long)."""
+    def set_claimer(self, slot: int, engine: str, proof: bytes, expected: int, tp: int) -> None:
+        """Record the first claimer: its engine, proof (kept for later claims), the
+        consumers it expects and its TP size."""
+        self.owners[slot] = engine
         start = slot * PROOF_BYTES
         self.proofs[start : start + PROOF_BYTES] = proof
+        self.expected[slot] = expected
+        self.reader_tp[slot] = tp
 
     # ------------------------------------------------------------ renewing sessions
 

@@ -31,15 +31,10 @@ class _Lane:
 
     def __init__(self) -> None:
         self.dues = array("d")
+        """Empty once consumed to the end (:meth:`take_until` clears it)."""
         self.ids = array("Q")
         self.head = 0
         """Entries before ``head`` have left the queue."""
-
-    def empty(self) -> bool:
-        return self.head == len(self.dues)
-
-    def last(self) -> tuple[float, int]:
-        return self.dues[-1], self.ids[-1]
 
     def take_until(self, now: float) -> list[tuple[float, int]]:
         """Remove and return the entries due by ``now`` (in order)."""
@@ -59,23 +54,31 @@ class _Lane:
 class DeadlineQueue:
     """(due, lease id) entries; :meth:`take_due` returns those due, smallest first."""
 
-    __slots__ = ("_heap", "_lanes")
+    __slots__ = ("_heap", "_lanes", "_recent")
 
     def __init__(self) -> None:
         self._lanes = tuple(_Lane() for _ in range(LANES))
         self._heap: list[tuple[float, int]] = []
+        self._recent = self._lanes[0]
+        """The lane of the last push: the next one usually follows it (grants in a row)."""
 
     def push(self, due: float, lease_id: int) -> None:
         """Add an entry (duplicates are the caller's to skip when they come out)."""
+        recent = self._recent
+        dues = recent.dues
+        if dues and (due > dues[-1] or (due == dues[-1] and lease_id >= recent.ids[-1])):
+            dues.append(due)
+            recent.ids.append(lease_id)
+            return
         entry = (due, lease_id)
         best: _Lane | None = None
         best_last: tuple[float, int] | None = None
         spare: _Lane | None = None
         for lane in self._lanes:
-            if lane.empty():
+            if not lane.dues:
                 spare = spare or lane
                 continue
-            last = lane.last()
+            last = (lane.dues[-1], lane.ids[-1])
             if last <= entry and (best_last is None or last > best_last):
                 best, best_last = lane, last
         chosen = best or spare
@@ -84,24 +87,30 @@ class DeadlineQueue:
             return
         chosen.dues.append(due)
         chosen.ids.append(lease_id)
+        self._recent = chosen
 
     def next_due(self) -> float | None:
         """The smallest due, or None if the queue is empty."""
-        dues = [lane.dues[lane.head] for lane in self._lanes if not lane.empty()]
+        dues = [lane.dues[lane.head] for lane in self._lanes if lane.dues]
         if self._heap:
             dues.append(self._heap[0][0])
         return min(dues) if dues else None
 
     def take_due(self, now: float) -> list[tuple[float, int]]:
         """Remove and return every entry due by ``now``, in (due, lease id) order."""
-        runs = [lane.take_until(now) for lane in self._lanes if not lane.empty()]
+        runs = [
+            lane.take_until(now)
+            for lane in self._lanes
+            if lane.dues and lane.dues[lane.head] <= now
+        ]
         heap = self._heap
         if heap and heap[0][0] <= now:
             run = []
             while heap and heap[0][0] <= now:
                 run.append(heapq.heappop(heap))
             runs.append(run)
-        runs = [run for run in runs if run]
+        if not runs:
+            return []
         if len(runs) == 1:
             return runs[0]
         # Sorted runs: the sort merges them (Timsort finds the runs).

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from kvproto.config import LeaseConfig
 from kvproto.holder_leases import LeaseTable
-from kvproto.ticket import MAX_ID, LeaseTicket
+from kvproto.ticket import MAX_ID, LeaseTicket, claim_proof
 
 # Ids that share a home slot at every table size (multiples of 2**20 apart), a few
 # sequential ones, and any uint64: the ways ids reach a holder.
@@ -54,14 +54,15 @@ def test_every_held_id_resolves_to_its_own_slot(steps: list[tuple[str, int]]) ->
 def test_slots_of_forgotten_leases_are_reused_and_start_clean() -> None:
     table = LeaseTable()
     first = table.add(_ticket(1), 0.0, 600.0)
-    table.set_proof(first, b"\x01" * 16)
-    table.owners[first] = "D"
+    table.set_claimer(first, "D", b"\x01" * 16, 1, 1)
     table.attach(first, 7)
     table.attach(first, 8)
     table.forget(1)
     again = table.add(_ticket(2**20 + 1), 5.0, 600.0)
     assert again == first and table.slot(1) is None
-    assert table.proof(again) == b"" and table.owners[again] is None
+    # The first lease's proof is not taken for the new lease's.
+    assert table.proof_for(again, "D") == claim_proof(table.token(again), "D", 2**20 + 1)
+    assert table.owners[again] is None
     assert table.holders(again) == () and table.own[again] == 35.0
 
 
