@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import heapq
 import hmac
+import math
 import secrets
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
@@ -288,9 +289,8 @@ class Holder:
     def get_timer(self) -> float | None:
         """The next time :meth:`handle_timer` has work, or None."""
         times = []
-        lease_due = self._lease_deadlines.next_due()
-        if lease_due is not None:
-            times.append(lease_due)
+        if self._lease_deadlines.soonest != math.inf:
+            times.append(self._lease_deadlines.soonest)
         if self._session_heap:
             times.append(self._session_heap[0][0])
         if self._tombstones:
@@ -313,7 +313,8 @@ class Holder:
                     self._detach(self._leases.held_slot(lease_id), session)
         table = self._leases
         # Ending or re-scheduling a lease here never schedules anything due by now.
-        for due, lease_id in self._lease_deadlines.take_due(now):
+        ended = self._lease_deadlines.take_due(now) if self._lease_deadlines.soonest <= now else ()
+        for due, lease_id in ended:
             slot = table.slot(lease_id)
             if slot is None or table.due[slot] != due or TERMINAL[table.states[slot]]:
                 continue

@@ -17,6 +17,7 @@ order.
 from __future__ import annotations
 
 import heapq
+import math
 from array import array
 from bisect import bisect_right
 
@@ -54,16 +55,20 @@ class _Lane:
 class DeadlineQueue:
     """(due, lease id) entries; :meth:`take_due` returns those due, smallest first."""
 
-    __slots__ = ("_heap", "_lanes", "_recent")
+    __slots__ = ("_heap", "_lanes", "_recent", "soonest")
 
     def __init__(self) -> None:
         self._lanes = tuple(_Lane() for _ in range(LANES))
         self._heap: list[tuple[float, int]] = []
         self._recent = self._lanes[0]
         """The lane of the last push: the next one usually follows it (grants in a row)."""
+        self.soonest = math.inf
+        """The smallest due; inf when empty. A plain attribute: an idle holder's timer
+        calls read it and stop, without a call into the queue."""
 
     def push(self, due: float, lease_id: int) -> None:
         """Add an entry (duplicates are the caller's to skip when they come out)."""
+        self.soonest = min(self.soonest, due)
         recent = self._recent
         dues = recent.dues
         if dues and (due > dues[-1] or (due == dues[-1] and lease_id >= recent.ids[-1])):
@@ -89,15 +94,10 @@ class DeadlineQueue:
         chosen.ids.append(lease_id)
         self._recent = chosen
 
-    def next_due(self) -> float | None:
-        """The smallest due, or None if the queue is empty."""
-        dues = [lane.dues[lane.head] for lane in self._lanes if lane.dues]
-        if self._heap:
-            dues.append(self._heap[0][0])
-        return min(dues) if dues else None
-
     def take_due(self, now: float) -> list[tuple[float, int]]:
         """Remove and return every entry due by ``now``, in (due, lease id) order."""
+        if self.soonest > now:
+            return []
         runs = [
             lane.take_until(now)
             for lane in self._lanes
@@ -109,8 +109,10 @@ class DeadlineQueue:
             while heap and heap[0][0] <= now:
                 run.append(heapq.heappop(heap))
             runs.append(run)
-        if not runs:
-            return []
+        dues = [lane.dues[lane.head] for lane in self._lanes if lane.dues]
+        if heap:
+            dues.append(heap[0][0])
+        self.soonest = min(dues) if dues else math.inf
         if len(runs) == 1:
             return runs[0]
         # Sorted runs: the sort merges them (Timsort finds the runs).

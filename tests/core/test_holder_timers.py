@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+import math
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -30,7 +31,7 @@ def test_entries_leave_in_heap_order(steps: list[tuple[str, float, int]]) -> Non
             while heap and heap[0][0] <= due:
                 expected.append(heapq.heappop(heap))
             assert queue.take_due(due) == expected
-        assert queue.next_due() == (heap[0][0] if heap else None)
+        assert queue.soonest == (heap[0][0] if heap else math.inf)
         assert len(queue) == len(heap)
 
 
@@ -43,4 +44,4 @@ def test_rising_sequences_beyond_the_lanes_spill_into_the_heap_and_still_order()
     for due, lease in entries:
         queue.push(due, lease)
     assert queue.take_due(float("inf")) == sorted(entries)
-    assert queue.next_due() is None and len(queue) == 0
+    assert queue.soonest == math.inf and len(queue) == 0
