@@ -157,7 +157,7 @@ class Holder:
         for bidirectional turn-2 blocks.
         """
         lifetime = self.config.kv_lease_duration if ttl is None else ttl
-        if not 0 < lifetime <= self.config.max_hold:  # also refuses NaN (it would poison the heap)
+        if not 0 < lifetime <= self.config.max_hold:  # also refuses NaN (it would poison the queue)
             raise LocalProtocolError(f"lease ttl {lifetime} outside (0, max_hold]")
         ticket = self._mint.mint(now, request_id=request_id, ttl=lifetime)
         problem = self._request_problem(ticket)
