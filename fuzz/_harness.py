@@ -6,7 +6,11 @@ Import this inside ``atheris.instrument_imports()`` so that kvproto is instrumen
 
 from __future__ import annotations
 
+import array
+import collections
 import copy
+import enum
+import inspect
 import json
 from typing import Any
 
@@ -76,17 +80,18 @@ class Pair:
     def anchored(self, hello: wire.Hello) -> bool:
         """The Hello's anchor proof is right for a lease this holder holds."""
         anchor = hello.anchor
-        lease = None if anchor is None else self.holder._leases.get(anchor.lease)
-        if anchor is None or lease is None:
+        table = self.holder._leases
+        slot = None if anchor is None else table.slot(anchor.lease)
+        if anchor is None or slot is None:
             return False
         proof = auth.hello_proof(
-            lease.token,
+            table.token(slot),
             reader_engine=hello.engine,
             reader_rank=hello.rank,
             reader_tp=hello.tp_size,
             reader_incarnation=hello.incarnation,
             holder_rank=self.holder.rank,
-            lease=lease.lease,
+            lease=anchor.lease,
             attempt=hello.attempt,
             nonce=hello.nonce,
         )
@@ -96,77 +101,63 @@ class Pair:
         return copy.deepcopy(self)
 
     def snapshot(self) -> Any:
-        """Every piece of lease, request and session state (counters excluded).
+        """Every piece of lease, request and session state of both cores (counters excluded).
 
-        Read straight from the cores' internals (update this when they change): the
-        fuzzer calls this twice per input, and going through the public queries
-        (instrumented, and building dicts) cost more than the input itself. Counters,
-        token buckets and the replay window's bookkeeping of *accepted* frames are
-        deliberately left out: invalid input may bump a counter and spend a rate-limit
-        token, nothing else.
+        Walked generically over the cores' attributes (slots, dataclass and msgspec
+        fields, containers), so it follows the cores when their internals change: a
+        hand-written list of fields went stale twice. Counters, token buckets, the
+        replay window's bookkeeping of *accepted* frames and the reader's cached
+        timer answer are left out (:data:`NOT_STATE`): invalid input may bump a
+        counter, spend a rate-limit token and make the reader look at its timers
+        again, nothing else.
         """
-        h, r = self.holder, self.reader
-        leases = tuple(
-            (
-                lease.state,
-                lease.own_deadline,
-                lease.hard_deadline,
-                lease.owner,
-                lease.expected,
-                tuple(sorted((lease.consumers or {}).items())),  # None when empty
-                tuple(sorted(s.serial for s in lease.sessions)),
-            )
-            for lease in h._leases.values()
-        )
-        sessions = tuple(
-            (
-                peer,
-                s.serial,
-                s.engine,
-                s.deadline,
-                s.count,
-                s.digest,
-                s.up,
-                s.down,
-                s.attempt,
-                sorted(s.leases),
-            )
-            for peer, s in h._sessions.items()
-        )
-        requests = tuple(
-            (
-                rid,
-                req.failed,
-                req.confirmed,
-                tuple(
-                    (p.rank, p.state, p.lower_bound, p.claimed_seq, p.early_held, p.ack_deadline)
-                    for p in req.parts.values()
-                ),
-            )
-            for rid, req in r._requests.items()
-        )
-        r_sessions = tuple(
-            (
-                key,
-                s.state,
-                s.peer,
-                s.up,
-                s.down,
-                s.nonce,
-                s.incarnation,
-                s.seq,
-                s.next_beat,
-                s.count,
-                s.digest,
-                tuple(s.pending_claims),
-                tuple(s.pending_aborts),
-                s.want_full,
-                s.in_sync_seq,
-                s.in_sync_since,
-            )
-            for key, s in r._sessions.items()
-        )
-        return leases, sessions, len(h._lease_heap), requests, r_sessions, len(r._out), len(h._out)
+        return state_of(self.holder), state_of(self.reader)
+
+
+NOT_STATE = frozenset({"stats", "counters", "bucket", "_buckets", "window", "_wake"})
+"""Attribute names :meth:`Pair.snapshot` skips (see its docstring)."""
+
+
+def state_of(obj: Any) -> Any:
+    """A hashable, comparable picture of ``obj`` and everything it holds."""
+    return _walk(obj, {})
+
+
+def _walk(obj: Any, seen: dict[int, int]) -> Any:
+    if obj is None or isinstance(obj, (bool, int, str, bytes, enum.Enum)):
+        return obj
+    if isinstance(obj, float):
+        return obj.hex()  # NaN (an unscheduled deadline) equals itself this way
+    if isinstance(obj, (bytearray, array.array)):
+        return bytes(obj) if isinstance(obj, bytearray) else obj.tobytes()
+    if callable(obj) and not hasattr(obj, "__slots__") and not hasattr(obj, "__dict__"):
+        return "<callable>"
+    if id(obj) in seen:
+        return ("<seen>", seen[id(obj)])  # shared or cyclic: refer to the first visit
+    seen[id(obj)] = len(seen)
+    if isinstance(obj, (list, tuple, collections.deque)):
+        return tuple(_walk(x, seen) for x in obj)
+    if isinstance(obj, (set, frozenset)):
+        return frozenset(_walk(x, seen) for x in obj)
+    if isinstance(obj, dict):
+        return tuple((_walk(k, seen), _walk(v, seen)) for k, v in obj.items())
+    if inspect.isfunction(obj) or inspect.ismethod(obj):
+        return "<callable>"
+    names: list[str] = []
+    fields = getattr(type(obj), "__struct_fields__", ())  # msgspec Structs
+    for cls in type(obj).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        names += [n for n in ((slots,) if isinstance(slots, str) else slots) if n not in names]
+    names += [n for n in (fields if isinstance(fields, tuple) else ()) if n not in names]
+    names += [n for n in getattr(obj, "__dict__", {}) if n not in names]
+    return (
+        type(obj).__name__,
+        tuple(
+            (n, _walk(getattr(obj, n), seen))
+            for n in names
+            if n not in NOT_STATE and not n.startswith("__") and hasattr(obj, n)
+        ),
+    )
 
 
 class Rolling:

@@ -13,9 +13,9 @@ from __future__ import annotations
 import sys
 
 import atheris
-import msgspec  # noqa: F401  (imported first: only kvproto_transports is instrumented)
+import msgspec  # noqa: F401  (imported first: only kvproto_binding is instrumented)
 
-with atheris.instrument_imports(include=["kvproto_transports"]):
+with atheris.instrument_imports(include=["kvproto_binding"]):
     from _harness import write_seeds
 
     from kvproto.errors import RemoteProtocolError
