@@ -46,7 +46,7 @@ from kvproto.states import (
     lease_next,
     peer_session_next,
 )
-from kvproto.stats import HolderStats
+from kvproto.stats import HolderStats, counts_of
 from kvproto.ticket import LeaseMint, LeaseTicket, ticket_problem
 from kvproto.tpmath import expected_consumers, target_remote_ranks
 from kvproto.transport import PeerId
@@ -373,13 +373,13 @@ class Holder:
         session = self._sessions.get(peer)
         return None if session is None else (session.engine, session.rank)
 
-    def stats_snapshot(self) -> dict[str, int]:
-        """Counters plus gauges (leases by state, sessions)."""
-        snap = self.stats.snapshot()
-        snap["leases_granted"] = self._granted
-        snap["leases_held"] = self._held
-        snap["sessions"] = len(self._sessions)
-        snap["tombstones"] = len(self._tombstones)
+    def stats_snapshot(self, prefix: str = "") -> dict[str, int]:
+        """Counters plus gauges (leases by state, sessions), each key ``prefix + name``."""
+        snap = counts_of(self.stats, prefix)
+        snap[prefix + "leases_granted"] = self._granted
+        snap[prefix + "leases_held"] = self._held
+        snap[prefix + "sessions"] = len(self._sessions)
+        snap[prefix + "tombstones"] = len(self._tombstones)
         return snap
 
     # ------------------------------------------------------------ frames

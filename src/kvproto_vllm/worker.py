@@ -304,8 +304,7 @@ class WorkerSide:
         """
         snap: dict[str, int] = {}
         if self.holder_side is not None and self.holder_side.holder is not None:
-            holder = self.holder_side.holder.stats_snapshot()
-            snap.update(zip(_prefixed("holder_", tuple(holder)), holder.values(), strict=True))
+            snap.update(self.holder_side.holder.stats_snapshot("holder_"))
             snap["holder_bad_grants"] = self.holder_side.bad_grants
         if self.reader_side is not None:
             snap.update(counts_of(self.reader_side.reader.stats, "reader_"))
@@ -338,17 +337,6 @@ class WorkerSide:
 
 def _nothing() -> None:
     return
-
-
-_PREFIXED: dict[tuple[str, tuple[str, ...]], tuple[str, ...]] = {}
-
-
-def _prefixed(prefix: str, keys: tuple[str, ...]) -> tuple[str, ...]:
-    """``prefix + key`` for each key, built once per key order (stats are read every step)."""
-    names = _PREFIXED.get((prefix, keys))
-    if names is None:
-        names = _PREFIXED[prefix, keys] = tuple(prefix + key for key in keys)
-    return names
 
 
 def _tp_rank() -> int:
