@@ -178,7 +178,7 @@ class KvprotoConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker.take_bad_blocks()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        if self._worker is None or self._stats is None:
+        if self._worker is None or self._stats is None or not self._worker.stats_due():
             return None
         snapshot = self._worker.stats_snapshot()
         snapshot["worker_pump_gap_ms_max"] = self._worker.take_pump_gap_ms()

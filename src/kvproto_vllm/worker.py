@@ -12,10 +12,21 @@ Lifecycle (vLLM calls, all on the worker's execution thread, never concurrently)
   rank's metadata and taking readers' introductions); a consumer creates its
   Reader and handshake client.
 * every step: ``start_load_kv`` applies the scheduler's orders and pumps;
-  ``get_transfer_results`` pumps again and reports. A pump = add introduced
-  readers, apply finished handshakes, :meth:`Endpoint.step` (poll the
-  transport, feed the cores, run their timers, send their frames), issue
-  reads that became possible.
+  ``get_transfer_results`` reports, and pumps again first only where that
+  pump can change this step's report or serve a transfer: on a holder (P: a
+  reader's one-sided READ progresses only inside our calls) and on a reader
+  with planned reads (D: a verdict that arrived during the forward pass is
+  reported this step, not the next). A pump = add introduced readers, apply
+  finished handshakes, :meth:`Endpoint.step` (poll the transport, feed the
+  cores, run their timers, send their frames), issue reads that became
+  possible.
+
+Why so few calls: inside an engine every hook runs with caches the forward
+pass has just evicted, so a step costs what it touches more than what it
+executes (spec/benchmarks.md, "vLLM step": one NIXL ``get_new_notifs`` is
+tens of times dearer cold than in a hot loop). So an idle reader skips the
+second pump, the transport's thread hook runs only when the thread changed,
+and the stats snapshot is read only when due (:meth:`WorkerSide.stats_due`).
 
 Bad peer input never raises out of a step: the cores drop and count it, the
 binding absorbs unreachable peers, and this module catches what is left
@@ -26,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -59,6 +71,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.kvproto_connector.worker")
 
 _EVENTS_KEPT = 512
+STATS_EVERY_S = 1.0
+"""Longest a counter change waits to reach vLLM's stats while the engine steps, when
+nothing this worker reported or applied has made the stats due earlier (a tenth of
+vLLM's default 10 s stats log interval)."""
 
 
 def route_kvproto_logs() -> None:
@@ -127,6 +143,12 @@ class WorkerSide:
         self._closed = False
         self._last_pump: float | None = None
         self._max_gap = 0.0
+        self._thread: int | None = None
+        """The thread the transport was last entered from (:meth:`_enter`)."""
+        self._active = True
+        """Orders applied or results produced since the stats were last read."""
+        self._stats_at = float("-inf")
+        """Pump time at which the stats were last read."""
 
     def record(self, kind: str, subject: str, detail: str) -> None:
         self.events.append((time.monotonic(), kind, subject, detail))
@@ -230,9 +252,11 @@ class WorkerSide:
     def start_load_kv(self, meta: KvprotoMetadata | None) -> None:
         if self.transport is None or self._closed:
             return
-        self._enter_thread()
+        self._enter()
         now = time.monotonic()
         if meta is not None:
+            if meta.grants or meta.tracks or meta.recvs or meta.finishes:
+                self._active = True
             if self.holder_side is not None and meta.incarnation is not None:
                 self.holder_side.ensure(meta.incarnation)
                 if self.endpoint is None:
@@ -248,13 +272,25 @@ class WorkerSide:
         """(finished_sending, finished_recving, failed_recving) for this step."""
         if self.transport is None or self._closed:
             return set(), set(), set()
-        self._enter_thread()
-        self._pump(time.monotonic())
+        reader = self.reader_side
+        if self.holder_side is not None or (reader is not None and reader.pending()):
+            # An idle reader has nothing to report that this pump could change: its
+            # heartbeats wait for the next step's start_load_kv (spec/vllm-adapter.md).
+            self._enter()
+            self._pump(time.monotonic())
         sending = self.holder_side.take_sending() if self.holder_side is not None else set()
-        recving, failed = (
-            self.reader_side.take() if self.reader_side is not None else (set(), set())
-        )
+        recving, failed = reader.take() if reader is not None else (set(), set())
+        if sending or recving or failed:
+            self._active = True
         return sending, recving, failed
+
+    def _enter(self) -> None:
+        # vLLM may move the worker to another thread; the transport's hook (NIXL's
+        # owner-thread rule) runs only when it did, not at every hook.
+        ident = threading.get_ident()
+        if ident != self._thread:
+            self._enter_thread()
+            self._thread = ident
 
     def take_bad_blocks(self) -> set[int]:
         return self.reader_side.take_bad_blocks() if self.reader_side is not None else set()
@@ -268,6 +304,7 @@ class WorkerSide:
         self._last_pump = now
         if self.server is not None:
             for intro in self.server.poll_introductions():
+                self._active = True
                 try:
                     self.transport.add_peer(intro.metadata)
                 except TransportError as exc:
@@ -279,17 +316,36 @@ class WorkerSide:
             self.reader_side.poll_handshakes(now)
         self._step(now)
         if self.reader_side is not None and self.reader_side.start_ready_reads(now):
+            self._active = True
             self._step(now)  # declined reads and notify-only completions, this step
 
     def _step(self, now: float) -> None:
         assert self.endpoint is not None
         result = self.endpoint.step(now)
+        if result.freed or result.failed or result.confirmed or result.connects:
+            self._active = True
         if self.holder_side is not None:
             self.holder_side.on_freed(result.freed)
         if self.reader_side is not None:
             self.reader_side.on_result(now, result)
 
     # ------------------------------------------------------------ stats, end
+
+    def stats_due(self) -> bool:
+        """Whether vLLM's per-step stats call should read the counters now.
+
+        Due after a step that applied orders or produced results (grants, tracks,
+        reads, freed leases, verdicts, connects), else every :data:`STATS_EVERY_S`
+        of pump time, for what moves on its own (heartbeats, acks, timers, the side
+        channel's thread). A snapshot reads some forty cold counters: ~50 us per step
+        inside an engine, for a value that had almost never changed."""
+        now = self._last_pump
+        if not self._active and now is not None and now - self._stats_at < STATS_EVERY_S:
+            return False
+        self._active = False
+        if now is not None:
+            self._stats_at = now
+        return True
 
     def take_pump_gap_ms(self) -> int:
         """Longest gap between two pumps since the last call, in ms (heartbeat lag bound)."""
@@ -329,7 +385,7 @@ class WorkerSide:
             self.reader_side.client.close()
         if self.transport is not None:
             try:
-                self._enter_thread()
+                self._enter()
                 self.transport.close()
             except TransportError as exc:
                 log.warning("closing the %s transport: %s", self.transport.name, exc)
