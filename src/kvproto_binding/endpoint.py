@@ -24,18 +24,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvproto import wire
 from kvproto.errors import LocalProtocolError
 from kvproto.events import (
     Connect,
     FreeBlocks,
-    HolderOutput,
     ReadConfirmed,
     ReadDeclined,
     ReadDeferred,
-    ReaderOutput,
     ReadGo,
     RequestFailed,
     SendFrame,
@@ -68,18 +66,34 @@ def frame_tag(data: bytes) -> int | None:
     return wire.peek_tag(data)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StepResult:
     """What one :meth:`Endpoint.step` produced for the engine."""
 
-    freed: list[FreeBlocks] = field(default_factory=list)
+    freed: tuple[FreeBlocks, ...] = ()
     """Holder: blocks the engine may reuse now."""
-    failed: list[RequestFailed] = field(default_factory=list)
+    failed: tuple[RequestFailed, ...] = ()
     """Reader: requests that must be recomputed."""
-    confirmed: list[str] = field(default_factory=list)
+    confirmed: tuple[str, ...] = ()
     """Reader: requests whose loaded blocks are safe to use."""
-    connects: list[Connect] = field(default_factory=list)
+    connects: tuple[Connect, ...] = ()
     """Reader: holders to make reachable (answer with :meth:`Endpoint.connected`)."""
+
+
+NOTHING = StepResult()
+"""What a step returns when the engine has nothing to do (most steps): one shared value."""
+
+_EngineOutput = FreeBlocks | RequestFailed | ReadConfirmed | Connect
+
+
+def _step_result(outputs: list[_EngineOutput]) -> StepResult:
+    """Sort the engine's outputs of one step by kind, each kind in the order it came."""
+    return StepResult(
+        freed=tuple(o for o in outputs if isinstance(o, FreeBlocks)),
+        failed=tuple(o for o in outputs if isinstance(o, RequestFailed)),
+        confirmed=tuple(o.request_id for o in outputs if isinstance(o, ReadConfirmed)),
+        connects=tuple(o for o in outputs if isinstance(o, Connect)),
+    )
 
 
 @dataclass(slots=True)
@@ -113,7 +127,14 @@ class Endpoint:
         self.reader = reader
         self.stats = BindingStats()
         self._reads: dict[ReadId, tuple[str, int]] = {}
-        self._result = StepResult()
+        self._cores: tuple[Holder | Reader, ...] = tuple(c for c in (holder, reader) if c is not None)
+        # Frame tag -> the core it goes to (None: unroutable); other tags use _any_role.
+        self._route_by_tag: dict[int | None, Holder | Reader | None] = {None: holder}
+        self._route_by_tag.update(dict.fromkeys(_HOLDER_TAGS, holder))
+        self._route_by_tag.update(dict.fromkeys(_READER_TAGS, reader))
+        self._any_role = holder if holder is not None else reader
+        self._engine_outputs: list[_EngineOutput] = []
+        self._drain_again = False  # a lost peer gave the cores more to do mid-flush
 
     # ----------------------------------------------------------- engine API
 
@@ -183,37 +204,34 @@ class Endpoint:
             elif isinstance(event, ReadFailed):
                 log.warning("read %d failed: %s", event.read_id, event.reason)
                 self._read_result(now, event.read_id, ok=False)
-        for core in (self.holder, self.reader):
-            if core is not None:
-                timer = core.get_timer()
-                if timer is not None and timer <= now:
-                    core.handle_timer(now)
+        for core in self._cores:
+            timer = core.get_timer()
+            if timer is not None and timer <= now:
+                core.handle_timer(now)
         self._flush(now)
-        result, self._result = self._result, StepResult()
-        return result
+        outputs = self._engine_outputs
+        if not outputs:
+            return NOTHING
+        self._engine_outputs = []
+        return _step_result(outputs)
 
     def next_deadline(self) -> float | None:
         """The earliest time a core needs :meth:`step` even if nothing arrives."""
-        timers = [c.get_timer() for c in (self.holder, self.reader) if c is not None]
-        due = [t for t in timers if t is not None]
+        due = [t for t in (c.get_timer() for c in self._cores) if t is not None]
         return min(due) if due else None
 
     # ------------------------------------------------------------ plumbing
 
     def _route(self, now: float, peer: PeerId, payload: bytes) -> None:
-        tag = frame_tag(payload)
-        if tag in _READER_TAGS:
-            target: Holder | Reader | None = self.reader
-        elif tag in _HOLDER_TAGS or tag is None:
-            target = self.holder  # native holder-bound frames, legacy text and junk
-        else:
-            target = self.holder if self.holder is not None else self.reader
+        # Native holder-bound frames, legacy text and junk (tag None) go to the holder.
+        target = self._route_by_tag.get(wire.peek_tag(payload), self._any_role)
         if target is None:
             self.stats.unroutable += 1
             return
         target.handle_frame(now, peer, payload)
 
     def _peer_lost(self, now: float, peer: PeerId) -> None:
+        self._drain_again = True
         if self.holder is not None:
             reader = self.holder.reader_of(peer)
             before = self.holder.stats.peer_lost
@@ -244,26 +262,22 @@ class Endpoint:
             self.reader.read_failed(now, request_id, rank)
 
     def _flush(self, now: float) -> None:
-        """Carry out every output until the cores are quiet (a lost peer may produce more)."""
-        while True:
-            outputs: list[HolderOutput | ReaderOutput] = []
-            if self.holder is not None:
-                outputs.extend(self.holder.drain())
-            if self.reader is not None:
-                outputs.extend(self.reader.drain())
-            if not outputs:
-                return
-            for out in outputs:
-                if isinstance(out, SendFrame):
-                    self._send(now, out)
-                elif isinstance(out, FreeBlocks):
-                    self._result.freed.append(out)
-                elif isinstance(out, RequestFailed):
-                    self._result.failed.append(out)
-                elif isinstance(out, ReadConfirmed):
-                    self._result.confirmed.append(out.request_id)
-                else:
-                    self._result.connects.append(out)
+        """Carry out every output until the cores are quiet.
+
+        Carrying out an output gives a core more only when a send finds its peer lost,
+        so one drain per core suffices unless :meth:`_peer_lost` ran meanwhile.
+        """
+        drain_again = True
+        while drain_again:
+            self._drain_again = False
+            drained = [core.drain() for core in self._cores]  # all, before any is carried out
+            for outputs in drained:
+                for out in outputs:
+                    if isinstance(out, SendFrame):
+                        self._send(now, out)
+                    else:
+                        self._engine_outputs.append(out)
+            drain_again = self._drain_again
 
     def _send(self, now: float, out: SendFrame) -> None:
         try:
