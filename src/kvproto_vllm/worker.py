@@ -12,19 +12,16 @@ Lifecycle (vLLM calls, all on the worker's execution thread, never concurrently)
   rank's metadata and taking readers' introductions); a consumer creates its
   Reader and handshake client.
 * every step: ``start_load_kv`` applies the scheduler's orders and pumps;
-  ``get_transfer_results`` reports, and pumps again first only where that
-  pump can change this step's report or serve a transfer: on a holder (P: a
-  reader's one-sided READ progresses only inside our calls) and on a reader
-  with planned reads (D: a verdict that arrived during the forward pass is
-  reported this step, not the next). A pump = add introduced readers, apply
-  finished handshakes, :meth:`Endpoint.step` (poll the transport, feed the
-  cores, run their timers, send their frames), issue reads that became
-  possible.
+  ``get_transfer_results`` reports, and pumps again first while a transfer
+  may be under way (:meth:`WorkerSide._transfers_pending`). A pump = add
+  introduced readers, apply finished handshakes, :meth:`Endpoint.step` (poll
+  the transport, feed the cores, run their timers, send their frames), issue
+  reads that became possible.
 
 Why so few calls: inside an engine every hook runs with caches the forward
 pass has just evicted, so a step costs what it touches more than what it
 executes (spec/benchmarks.md, "vLLM step": one NIXL ``get_new_notifs`` is
-tens of times dearer cold than in a hot loop). So an idle reader skips the
+tens of times dearer cold than in a hot loop). So an idle step skips the
 second pump, the transport's thread hook runs only when the thread changed,
 and the stats snapshot is read only when due (:meth:`WorkerSide.stats_due`).
 
@@ -272,17 +269,30 @@ class WorkerSide:
         """(finished_sending, finished_recving, failed_recving) for this step."""
         if self.transport is None or self._closed:
             return set(), set(), set()
-        reader = self.reader_side
-        if self.holder_side is not None or (reader is not None and reader.pending()):
-            # An idle reader has nothing to report that this pump could change: its
-            # heartbeats wait for the next step's start_load_kv (spec/vllm-adapter.md).
+        if self._transfers_pending():
             self._enter()
             self._pump(time.monotonic())
         sending = self.holder_side.take_sending() if self.holder_side is not None else set()
-        recving, failed = reader.take() if reader is not None else (set(), set())
+        recving, failed = (
+            self.reader_side.take() if self.reader_side is not None else (set(), set())
+        )
         if sending or recving or failed:
             self._active = True
         return sending, recving, failed
+
+    def _transfers_pending(self) -> bool:
+        """Whether get_transfer_results pumps again (after the forward pass).
+
+        Only while a transfer may be under way: a live lease on the holder (a reader's
+        one-sided READ of its blocks progresses only inside our calls, and a done can
+        free it) or a planned read on the reader (its verdict is then reported this
+        step, not the next). Otherwise heartbeats, acks and introductions wait for the
+        next step's start_load_kv, and a step saves one cold transport poll."""
+        holder = self.holder_side.holder if self.holder_side is not None else None
+        reader = self.reader_side
+        return (holder is not None and holder.live_leases() > 0) or (
+            reader is not None and reader.pending() > 0
+        )
 
     def _enter(self) -> None:
         # vLLM may move the worker to another thread; the transport's hook (NIXL's
