@@ -88,6 +88,13 @@ class ReaderSide:
         self._recving: set[str] = set()
         self._failed: set[str] = set()
         self._bad_blocks: set[int] = set()
+        self._handshakes: dict[Hashable, int] = {}
+        """Per holder rank, handshakes started (``submit`` returned True) whose result is
+        not polled yet: while there are none, poll_handshakes skips the client's lock (a
+        cold call at every engine step)."""
+        self._refusal_queued = False
+        """A ``submit`` returned False: refused, its failure already queued for
+        ``poll_results``, or already pending (no result of its own)."""
 
     # ------------------------------------------------------------ orders
 
@@ -142,7 +149,15 @@ class ReaderSide:
 
     def poll_handshakes(self, now: float) -> None:
         assert self.endpoint is not None
+        if not self._handshakes and not self._refusal_queued:
+            return
+        self._refusal_queued = False
         for res in self.client.poll_results():
+            # A refusal comes only while its key is not pending: a started handshake of
+            # that key has then queued its result too, in this batch (floor at zero).
+            started = self._handshakes.pop(res.peer_key, 0)
+            if started > 1:
+                self._handshakes[res.peer_key] = started - 1
             engine, rank = cast(tuple[str, int], res.peer_key)
             if isinstance(res, HandshakeSucceeded):
                 try:
@@ -195,7 +210,10 @@ class ReaderSide:
                 assert self.endpoint is not None
                 self.endpoint.connect_failed(now, engine=connect.engine, rank=connect.rank)
                 continue
-            self.client.submit(key, host, port + connect.rank, connect.rank)
+            if self.client.submit(key, host, port + connect.rank, connect.rank):
+                self._handshakes[key] = self._handshakes.get(key, 0) + 1
+            else:
+                self._refusal_queued = True
         for failed in result.failed:
             self._failed_request(now, failed)
         for rid in result.confirmed:
