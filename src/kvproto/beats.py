@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+
+import msgspec
 
 from kvproto import wire
 from kvproto.leaseset import LeaseSet, digest_without
@@ -29,9 +30,11 @@ _INFLIGHT_KEEP = 64
 _NO_IDS: tuple[int, ...] = ()
 
 
-@dataclass(slots=True)
-class Inflight:
-    """One sent heartbeat, remembered until its acknowledgement (or until pushed out)."""
+class Inflight(msgspec.Struct):
+    """One sent heartbeat, remembered until its acknowledgement (or until pushed out).
+
+    A Struct, not a dataclass: one is made per heartbeat sent, and CPython 3.11 makes a
+    Python class instance at ~4k instructions against msgspec's ~0.4k."""
 
     sent: float
     """When it left (local clock)."""
@@ -213,10 +216,10 @@ class Beats:
         )
         inflight = self.inflight
         inflight[self.seq] = Inflight(
-            sent=now,
-            claims=tuple(c.lease for c in claims) if claims else _NO_IDS,
-            aborts=tuple(c.lease for c in aborts) if aborts else _NO_IDS,
-            final=final,
+            now,
+            tuple(c.lease for c in claims) if claims else _NO_IDS,
+            tuple(c.lease for c in aborts) if aborts else _NO_IDS,
+            final,
         )
         if len(inflight) > _INFLIGHT_KEEP:
             del inflight[next(iter(inflight))]

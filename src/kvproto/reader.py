@@ -118,6 +118,7 @@ class Reader:
             engine=engine, rank=rank, tp_size=tp_size, incarnation=incarnation, config=config
         )
         self._drift = config.drift
+        self._budget = config.frame_budget  # a property of a frozen config: read once
         self._requests: dict[str, Request] = {}
         self._sessions: dict[SessionKey, Session] = {}
         self._by_peer: dict[PeerId, list[Session]] = {}
@@ -558,13 +559,13 @@ class Reader:
             interval = params.interval if params is not None else session.interval(self._requests)
             self._timers.schedule(session, now + interval)
         else:
-            self._timers.schedule(session, math.inf)
+            self._timers.schedule(session, _NEVER)
         if beats.want_full:
             self.stats.resyncs += 1
         stats, out, peer = self.stats, self._out, session.peer
         sent = 0
         for payload in beats.frames(
-            now, key=session.up, budget=self.config.frame_budget, proof_of=self._proof_of
+            now, key=session.up, budget=self._budget, proof_of=self._proof_of
         ):
             sent += 1
             stats.heartbeat_bytes += len(payload)
