@@ -23,7 +23,7 @@ routed by their message tag, stock-vLLM text frames go to the holder.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvproto import wire
@@ -31,9 +31,11 @@ from kvproto.errors import LocalProtocolError
 from kvproto.events import (
     Connect,
     FreeBlocks,
+    HolderOutput,
     ReadConfirmed,
     ReadDeclined,
     ReadDeferred,
+    ReaderOutput,
     ReadGo,
     RequestFailed,
     SendFrame,
@@ -127,7 +129,14 @@ class Endpoint:
         self.reader = reader
         self.stats = BindingStats()
         self._reads: dict[ReadId, tuple[str, int]] = {}
-        self._cores: tuple[Holder | Reader, ...] = tuple(c for c in (holder, reader) if c is not None)
+        self._cores: tuple[Holder | Reader, ...] = tuple(
+            c for c in (holder, reader) if c is not None
+        )
+        self._drain_cores: Callable[[], Sequence[HolderOutput | ReaderOutput]]
+        if holder is not None and reader is not None:
+            self._drain_cores = lambda: [*holder.drain(), *reader.drain()]
+        else:
+            self._drain_cores = self._cores[0].drain
         # Frame tag -> the core it goes to (None: unroutable); other tags use _any_role.
         self._route_by_tag: dict[int | None, Holder | Reader | None] = {None: holder}
         self._route_by_tag.update(dict.fromkeys(_HOLDER_TAGS, holder))
@@ -267,17 +276,15 @@ class Endpoint:
         Carrying out an output gives a core more only when a send finds its peer lost,
         so one drain per core suffices unless :meth:`_peer_lost` ran meanwhile.
         """
-        drain_again = True
-        while drain_again:
+        while True:
             self._drain_again = False
-            drained = [core.drain() for core in self._cores]  # all, before any is carried out
-            for outputs in drained:
-                for out in outputs:
-                    if isinstance(out, SendFrame):
-                        self._send(now, out)
-                    else:
-                        self._engine_outputs.append(out)
-            drain_again = self._drain_again
+            for out in self._drain_cores():  # every core's, before any is carried out
+                if isinstance(out, SendFrame):
+                    self._send(now, out)
+                else:
+                    self._engine_outputs.append(out)
+            if not self._drain_again:
+                return
 
     def _send(self, now: float, out: SendFrame) -> None:
         try:
