@@ -114,6 +114,9 @@ READ_FAIL_GRACE_S = 2.0
 """After a read failed, how long to wait for UCX to release its requests
 (so nothing writes into the reader's memory afterwards) before reporting."""
 
+_NOTIFY = FrameKind.NOTIFY
+"""Compared on every frame sent and received: a global, not an enum class lookup each time."""
+
 
 @dataclass(slots=True)
 class _Conn:
@@ -174,6 +177,8 @@ class Engine:
         self._any_tag: Any = None
         self._no_mask: Any = None
         self._conns: dict[PeerId, _Conn] = {}
+        self._tags = {kind: make_tag(kind, config.sender_key) for kind in FrameKind}
+        """Each kind's message tag from this endpoint, computed once rather than per frame."""
         self._next_key = 1
         self._closed_keys: list[int] = []
         self._senders: dict[int, PeerId] = {}
@@ -492,7 +497,7 @@ class Engine:
         # ucxx wants a writable buffer for an empty message; a bytes object otherwise.
         buf = self._array(body if body else bytearray(0))
         try:
-            req = conn.ep.tag_send(buf, self._api.UCXXTag(make_tag(kind, self._cfg.sender_key)))
+            req = conn.ep.tag_send(buf, self._api.UCXXTag(self._tags[kind]))
         except Exception as exc:
             if counted:
                 self._shared.release_send_slot()
@@ -500,7 +505,7 @@ class Engine:
             return
         conn.last_send = time.monotonic()
         conn.sends.append((req, buf, counted, conn.last_send))
-        if kind == FrameKind.NOTIFY:
+        if kind is _NOTIFY:
             with self._shared.lock:
                 self._shared.stats.notifications_sent += 1
 
@@ -544,7 +549,7 @@ class Engine:
 
     def _on_frame(self, tag: int, body: bytearray) -> None:
         kind, key = split_tag(tag)
-        if kind == FrameKind.NOTIFY and key in self._senders:
+        if kind == _NOTIFY and key in self._senders:
             with self._shared.lock:
                 self._shared.stats.notifications_received += 1
             self._shared.events.append(Received(peer=self._senders[key], payload=bytes(body)))
