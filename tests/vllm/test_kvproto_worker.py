@@ -39,7 +39,7 @@ import torch  # noqa: E402
 from kvproto.ticket import LeaseMint, LeaseTicket  # noqa: E402
 from kvproto_vllm.config import parse_extra_config  # noqa: E402
 from kvproto_vllm.metadata import Grant, KvprotoMetadata, Recv, Track  # noqa: E402
-from kvproto_vllm.worker import WorkerSide  # noqa: E402
+from kvproto_vllm.worker import STATS_EVERY_S, WorkerSide  # noqa: E402
 
 from .engine_proc import free_port, free_port_pair  # noqa: E402
 from .kvproto_config import kvproto_config  # noqa: E402
@@ -252,6 +252,22 @@ def test_unreachable_holder_fails_before_allocation(pair: Any) -> None:
         assert ("failed", "d-req-4", "connect-failed (queued)") in events
     finally:
         d2.shutdown()
+
+
+def test_stats_are_read_after_a_change_or_the_interval(pair: Any) -> None:
+    """vLLM asks for stats at every step; the snapshot is read only when it can differ."""
+    p, _, d, _, _ = pair
+    loop = Loop(p, d)
+    loop.run_until("an idle step", lambda: not d.stats_due())
+    assert not d.stats_due(), "nothing happened since the last read"
+    before = d.stats_snapshot()["reader_untracked_finishes"]
+    loop.step(d_meta=KvprotoMetadata(finishes=["never-tracked"]))  # an order: a counter moves
+    assert d.stats_due()
+    assert d.stats_snapshot()["reader_untracked_finishes"] == before + 1
+    loop.run_until("an idle step", lambda: not d.stats_due())
+    time.sleep(STATS_EVERY_S)  # heartbeats and acks move counters with no order or result
+    loop.step()
+    assert d.stats_due()
 
 
 class Ranks:
