@@ -17,7 +17,9 @@ Cost model (the reason for the data structures):
   whatever order leases were renewed in (vLLM #58222 stopped at the first
   live entry of an insertion-ordered dict and stranded expired ones).
 * A lease is a slot of :class:`~kvproto.holder_leases.LeaseTable` (columns,
-  nothing GC-tracked per lease); sessions are named in it by serial.
+  nothing GC-tracked per lease); sessions are named in it by serial, and each
+  session's leases are links through the slots
+  (:class:`~kvproto.holder_members.Memberships`), not a set per session.
 """
 
 from __future__ import annotations
@@ -33,9 +35,9 @@ from kvproto import auth, legacy, wire
 from kvproto.config import LeaseConfig
 from kvproto.errors import LocalProtocolError, RemoteProtocolError
 from kvproto.events import FreeBlocks, HolderOutput, ReleaseReason, SendFrame
-from kvproto.holder_leases import SEVERAL, STATE_INDEX, STATES, TERMINAL, UNSCHEDULED, LeaseTable
+from kvproto.holder_leases import STATE_INDEX, STATES, TERMINAL, UNSCHEDULED, LeaseTable
+from kvproto.holder_members import NOBODY, SEVERAL, SessionLeases
 from kvproto.holder_timers import DeadlineQueue
-from kvproto.leaseset import LeaseSet
 from kvproto.ratelimit import ReplayWindow, TokenBucket
 from kvproto.states import (
     LeaseInput,
@@ -84,7 +86,14 @@ class _Session:
         "window",
     )
 
-    def __init__(self, serial: int, peer: PeerId, hello: wire.Hello, bucket: TokenBucket) -> None:
+    def __init__(
+        self,
+        serial: int,
+        peer: PeerId,
+        hello: wire.Hello,
+        bucket: TokenBucket,
+        leases: SessionLeases,
+    ) -> None:
         self.serial = serial
         self.peer = peer
         self.engine = hello.engine
@@ -104,7 +113,7 @@ class _Session:
         self.deadline = float("-inf")
         self.heap_due: float | None = None
         self.window = ReplayWindow()
-        self.leases: LeaseSet[None] = LeaseSet()
+        self.leases = leases
 
 
 class Holder:
@@ -306,11 +315,11 @@ class Holder:
                 continue
             session.heap_due = None
             if session.deadline > now:
-                if session.leases:
+                if session.leases.count:
                     self._schedule_session(session)
             else:
-                for lease_id in list(session.leases):
-                    self._detach(self._leases.held_slot(lease_id), session)
+                for held in self._leases.members.slots(session.leases):
+                    self._detach(held, session)
         table = self._leases
         # Ending or re-scheduling a lease here never schedules anything due by now.
         ended = self._lease_deadlines.take_due(now) if self._lease_deadlines.soonest <= now else ()
@@ -407,8 +416,8 @@ class Holder:
         if (
             old is not None
             and old.incarnation == hello.incarnation
-            and old.leases
-            and anchor.lease not in old.leases
+            and old.leases.count
+            and not self._leases.members.holds(slot, old.serial)
         ):
             return None
         token = self._leases.token(slot)
@@ -511,7 +520,8 @@ class Holder:
         if old is None:
             self._serial += 1
             bucket = TokenBucket(self.config.rate_limit_per_s, self.config.rate_limit_burst, now)
-            session = _Session(self._serial, peer, hello, bucket)
+            leases = self._leases.members.open(self._serial)
+            session = _Session(self._serial, peer, hello, bucket, leases)
             session.expected = expected
             self._sessions[peer] = session
             self._by_serial[session.serial] = session
@@ -549,7 +559,7 @@ class Holder:
         self.stats.heartbeats += 1
         renewed = now + self.config.lease_extension
         session.deadline = max(session.deadline, renewed)
-        if session.leases and session.heap_due is None:
+        if session.leases.count and session.heap_due is None:
             self._schedule_session(session)
         held: list[tuple[int, float]] = []
         lost: list[int] = []
@@ -598,9 +608,9 @@ class Holder:
         slot = self._check_claim(session, claim)
         if slot is None or TERMINAL[self._leases.states[slot]]:
             return None
-        if claim.lease in session.leases:
+        if self._leases.members.holds(slot, session.serial):
             return slot
-        if len(session.leases) >= self.config.max_leases_per_session:
+        if session.leases.count >= self.config.max_leases_per_session:
             self.stats.limit_refusals += 1
             return None
         self._transition(slot, LeaseInput.CLAIM)
@@ -614,16 +624,15 @@ class Holder:
         if slot is None:
             self.stats.unknown_lease += 1
             return None
-        owner = table.owners[slot]
+        owner = table.owner(slot)
         if owner is not None and owner != session.engine:
             self.stats.owner_mismatch += 1
             return None
-        proof = table.proof_for(slot, session.engine)
-        if not hmac.compare_digest(proof, claim.proof):
+        if not hmac.compare_digest(table.proof(slot, session.engine), claim.proof):
             self.stats.bad_proof += 1
             return None
         if owner is None and not TERMINAL[table.states[slot]]:
-            table.set_claimer(slot, session.engine, proof, session.expected, session.tp_size)
+            table.set_claimer(slot, session.engine, tp=session.tp_size, expected=session.expected)
             self.stats.claims += 1
         return slot
 
@@ -640,16 +649,17 @@ class Holder:
     def _resync(self, session: _Session, deltas: list[int], lost: list[int]) -> None:
         table = self._leases
         wanted = set(wire.delta_decode(deltas))
-        holding = set(session.leases)
+        slots = {table.ids[slot]: slot for slot in table.members.slots(session.leases)}
+        holding = set(slots)  # the sets the old per-session set made: the same order of lost
         for lease_id in holding - wanted:
-            self._detach(self._leases.held_slot(lease_id), session)
+            self._detach(slots[lease_id], session)
         for lease_id in wanted - holding:
             slot = table.slot(lease_id)
             if (
                 slot is None
                 or table.terminal(slot)
-                or table.owners[slot] != session.engine
-                or len(session.leases) >= self.config.max_leases_per_session
+                or table.owner(slot) != session.engine
+                or session.leases.count >= self.config.max_leases_per_session
             ):
                 lost.append(lease_id)
             else:
@@ -677,7 +687,7 @@ class Holder:
     def _done_input(self, session: _Session, slot: int) -> LeaseInput:
         """What a proven done is to its lease; the tables decide what it does."""
         table = self._leases
-        reader_tp = table.reader_tp[slot]
+        reader_tp = table.reader_tp(slot)
         if reader_tp and reader_tp != session.tp_size:
             # reader_tp is unset only when the lease ended before anyone claimed it:
             # such a done is late, not of another TP layout.
@@ -693,7 +703,7 @@ class Holder:
         counted = 0 if consumers is None else len(consumers)
         if consumers is None or session.rank not in consumers:
             counted += 1
-        return LeaseInput.LAST_DONE if counted >= table.expected[slot] else LeaseInput.DONE
+        return LeaseInput.LAST_DONE if counted >= table.expected(slot) else LeaseInput.DONE
 
     def _apply_done(self, now: float, session: _Session, slot: int) -> DoneVerdict:
         event = self._done_input(session, slot)
@@ -711,7 +721,7 @@ class Holder:
         else:
             self._count_consumer(session, slot)
             self._transition(slot, event)
-            if self._leases.ids[slot] in session.leases:
+            if self._leases.members.holds(slot, session.serial):
                 self._detach(slot, session)
             return verdict
         self._transition(slot, event)  # a "stay" row
@@ -744,15 +754,16 @@ class Holder:
             if slot is None:
                 self.stats.unknown_lease += 1
                 continue
-            if table.owners[slot] is not None and table.owners[slot] != owner:
+            claimed_by = table.owner(slot)
+            if claimed_by is not None and claimed_by != owner:
                 self.stats.owner_mismatch += 1
                 continue
             if table.terminal(slot):
                 if isinstance(frame, legacy.LegacyDone):
                     self.stats.late_done += 1
                 continue
-            if table.owners[slot] is None:
-                table.owners[slot] = owner
+            if claimed_by is None:
+                table.set_claimer(slot, owner)
                 self._transition(slot, LeaseInput.CLAIM)
             if isinstance(frame, legacy.LegacyHeartbeat):
                 # Stock peers renew per lease; there is no session to renew.
@@ -783,50 +794,50 @@ class Holder:
 
     def _end(self, now: float, slot: int, event: LeaseInput, reason: ReleaseReason) -> None:
         self._transition(slot, event)
-        if self._leases.holder[slot]:
-            for serial in self._leases.holders(slot):
+        members = self._leases.members
+        if members.holder[slot] != NOBODY:
+            for serial in members.holders(slot):
                 self._detach(slot, self._by_serial[serial], fall_back=False)
         counter = _END_STATE_COUNTER[reason]
         setattr(self.stats, counter, getattr(self.stats, counter) + 1)
         lease_id = self._leases.ids[slot]
-        request_id = self._leases.request_ids[slot]
+        request_id = self._leases.request_id(slot)
         self._out.append(FreeBlocks(lease=lease_id, request_id=request_id, reason=reason))
         self._tombstones.append((now + self.config.tombstone_ttl, lease_id))
         if len(self._tombstones) > self.config.max_tombstones:
             self._leases.forget(self._tombstones.popleft()[1])
 
     def _attach(self, slot: int, session: _Session) -> None:
-        self._leases.attach(slot, session.serial)
-        session.leases.add(self._leases.ids[slot], None)
+        self._leases.members.attach(slot, session.leases, self._leases.ids[slot])
         if session.heap_due is None and session.deadline != float("-inf"):
             self._schedule_session(session)
 
     def _detach(self, slot: int, session: _Session, *, fall_back: bool = True) -> None:
         """Take the lease out of ``session``; it keeps what the session had given it."""
         table = self._leases
-        table.detach(slot, session.serial)
-        session.leases.discard(table.ids[slot])
+        table.members.detach(slot, session.leases, table.ids[slot])
         if fall_back and not TERMINAL[table.states[slot]]:
             table.own[slot] = max(table.own[slot], session.deadline)
-            if table.holder[slot] == 0:
+            if table.members.holder[slot] == NOBODY:
                 self._schedule_lease(slot)
 
     def _forget_session(self, now: float, session: _Session, *, lost: bool) -> None:
         # Out of the serial index last: the leases it renews name it until detached.
-        for lease_id in list(session.leases):
-            slot = self._leases.held_slot(lease_id)
-            if lost and self._leases.holder[slot] == session.serial:
+        for slot in self._leases.members.slots(session.leases):
+            if lost and self._leases.members.holder[slot] == session.serial:
                 self._end(now, slot, LeaseInput.PEER_LOST, ReleaseReason.PEER_LOST)
             else:
                 # Another session (another reader rank) still holds it: the lease keeps
                 # what this one had given it, or its deadline would move earlier (S2).
                 self._detach(slot, session)
+        self._leases.members.close(session.leases)
         self._by_serial.pop(session.serial, None)
 
     def _evict_idle_session(self) -> bool:
         for peer, session in self._sessions.items():
-            if not session.leases:
+            if not session.leases.count:
                 del self._sessions[peer]
+                self._leases.members.close(session.leases)
                 self._by_serial.pop(session.serial, None)
                 return True
         return False
@@ -834,19 +845,19 @@ class Holder:
     def _live_until(self, slot: int) -> float:
         table = self._leases
         until = table.own[slot]
-        held = table.holder[slot]
-        if held == 0:
+        held = table.members.holder[slot]
+        if held == NOBODY:
             return until
         if held != SEVERAL:
             return max(until, self._by_serial[held].deadline)
-        for serial in table.several[slot]:
+        for serial in table.members.holders(slot):
             until = max(until, self._by_serial[serial].deadline)
         return until
 
     def _schedule_lease(self, slot: int) -> None:
         table = self._leases
         hard = table.hard[slot]
-        due = hard if table.holder[slot] != 0 else min(table.own[slot], hard)
+        due = hard if table.members.holder[slot] != NOBODY else min(table.own[slot], hard)
         if table.due[slot] <= due:  # False while UNSCHEDULED (NaN)
             return  # the earlier canonical entry will fire and re-schedule
         table.due[slot] = due
@@ -869,7 +880,7 @@ class Holder:
 
     def _send_revoke(self, slot: int, reason: ReleaseReason) -> None:
         lease_id = self._leases.ids[slot]
-        for serial in self._leases.holders(slot):
+        for serial in self._leases.members.holders(slot):
             revoke = wire.Revoke(leases=[lease_id], reason=int(reason))
             self._send_session(self._by_serial[serial], revoke)
 

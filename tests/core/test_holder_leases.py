@@ -54,16 +54,20 @@ def test_every_held_id_resolves_to_its_own_slot(steps: list[tuple[str, int]]) ->
 def test_slots_of_forgotten_leases_are_reused_and_start_clean() -> None:
     table = LeaseTable()
     first = table.add(_ticket(1), 0.0, 600.0)
-    table.set_claimer(first, "D", b"\x01" * 16, 1, 1)
-    table.attach(first, 7)
-    table.attach(first, 8)
+    table.set_claimer(first, "D", tp=1, expected=1)
+    seven, eight = table.members.open(7), table.members.open(8)
+    table.members.attach(first, seven, 1)
+    table.members.attach(first, eight, 1)
     table.forget(1)
+    # Forgotten while two sessions renewed it: neither names it any more.
+    assert [(s.count, s.digest, table.members.slots(s)) for s in (seven, eight)] == [(0, 0, [])] * 2
     again = table.add(_ticket(2**20 + 1), 5.0, 600.0)
     assert again == first and table.slot(1) is None
-    # The first lease's proof is not taken for the new lease's.
-    assert table.proof_for(again, "D") == claim_proof(table.token(again), "D", 2**20 + 1)
-    assert table.owners[again] is None
-    assert table.holders(again) == () and table.own[again] == 35.0
+    # Nothing of the first lease's claim is taken for the new lease's.
+    assert table.proof(again, "D") == claim_proof(table.token(again), "D", 2**20 + 1)
+    assert (table.owner(again), table.reader_tp(again), table.expected(again)) == (None, 0, 0)
+    assert len(table.claimers) == 0
+    assert table.members.holders(again) == () and table.own[again] == 35.0
 
 
 def test_ids_resolve_across_the_index_growing_with_collisions_and_frees() -> None:
