@@ -65,7 +65,7 @@ from kvproto.states import (
 )
 from kvproto.stats import ReaderStats
 from kvproto.ticket import LeaseTicket, claim_proof, ticket_problem
-from kvproto.tpmath import read_slices, target_remote_ranks
+from kvproto.tpmath import holder_ranks, read_slices
 from kvproto.transport import PeerId
 
 _HOLDER_ALREADY_ENDED = frozenset(
@@ -87,7 +87,7 @@ _ON_READ_DONE = ReadInput.READ_DONE
 _OPEN = SessionState.OPEN
 _READING = ReadState.READING
 _STARTED = frozenset({_READING, _AWAITING_ACK})
-_TARGETS_KEEP = 64
+_ROUTES_KEEP = 1024
 _UNKNOWN = -math.inf  # Reader._wake: an input came since get_timer last looked
 _NEVER = math.inf  # Reader._wake: no timer is set
 
@@ -125,8 +125,9 @@ class Reader:
         self._by_lease: dict[tuple[str, int], str] = {}
         self._deferrals = Deferrals(self._requests, self._sessions, config.ack_timeout)
         self._dones = AwaitedDones(self._requests, self._sessions, config)
-        self._targets: dict[int, tuple[int, ...]] = {}
-        """Holder TP size → the holder ranks this rank reads from (empty: they do not divide)."""
+        self._routes: dict[tuple[str, int], tuple[Session, ...]] = {}
+        """(holder engine, holder TP size) → the sessions a ticket of it is tracked on, in
+        holder rank order (empty: the TP sizes do not divide)."""
         self._timers = SessionTimers()
         self._wake = _UNKNOWN
         """The next time timer work is due (inf: none), as :meth:`get_timer` last found it;
@@ -147,23 +148,19 @@ class Reader:
         if request_id in self._requests:
             raise LocalProtocolError(f"request {request_id!r} is already tracked")
         self.stats.tracked += 1
-        targets: tuple[int, ...] = ()
-        if ticket_problem(ticket) is None:  # first: it bounds holder_tp_size
-            targets = self._targets.get(ticket.holder_tp_size) or self._targets_of(
-                ticket.holder_tp_size
-            )
-        proof = claim_proof(ticket.token, self.engine, ticket.lease) if targets else b""
-        parts = dict(zip(targets, map(Part, targets), strict=True))
+        # First: the ticket bounds holder_tp_size before it picks the sessions.
+        sessions = self._route(ticket) if ticket_problem(ticket) is None else ()
+        proof = claim_proof(ticket.token, self.engine, ticket.lease) if sessions else b""
+        parts = {}
+        for session in sessions:
+            parts[session.rank] = Part(session.rank)
         req = Request(request_id, ticket, proof, now, parts)
         self._requests[request_id] = req
-        if not targets:
+        if not sessions:
             self._fail(now, req, FailReason.BAD_TICKET)
             return
-        sessions = []
         restarted = []
-        for rank in targets:
-            session = self._session(ticket.holder_engine, rank)
-            sessions.append(session)
+        for session in sessions:
             if session.incarnation is not None and session.incarnation != ticket.holder_incarnation:
                 if ticket.holder_incarnation in session.stale_incarnations:
                     self._fail(now, req, FailReason.HOLDER_RESTARTED)
@@ -575,17 +572,17 @@ class Reader:
 
     # ------------------------------------------------------------ helpers
 
-    def _targets_of(self, holder_tp: int) -> tuple[int, ...]:
-        """The holder ranks this rank reads from (cached); () if the TP sizes do not divide."""
-        big, small = max(self.tp_size, holder_tp), min(self.tp_size, holder_tp)
-        targets = (
-            ()
-            if small < 1 or big % small
-            else tuple(target_remote_ranks(self.rank, self.tp_size, holder_tp))
-        )
-        if len(self._targets) < _TARGETS_KEEP:  # tickets are peer data: bound the cache
-            self._targets[holder_tp] = targets
-        return targets
+    def _route(self, ticket: LeaseTicket) -> tuple[Session, ...]:
+        """The sessions ``ticket``'s request is tracked on (cached); () if the TP sizes do
+        not divide."""
+        key = (ticket.holder_engine, ticket.holder_tp_size)
+        route = self._routes.get(key)
+        if route is None:
+            ranks = holder_ranks(self.rank, self.tp_size, ticket.holder_tp_size)
+            route = tuple(self._session(ticket.holder_engine, r) for r in ranks)
+            if len(self._routes) < _ROUTES_KEEP:  # tickets are peer data: bound the cache
+                self._routes[key] = route
+        return route
 
     def _session(self, engine: str, rank: int) -> Session:
         session = self._sessions.get((engine, rank))

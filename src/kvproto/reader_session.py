@@ -33,6 +33,7 @@ _BROKEN = SessionState.BROKEN
 _HELLO_SENT = SessionState.HELLO_SENT
 _IDLE = SessionState.IDLE
 _OPEN = SessionState.OPEN
+_ON_NEED = SessionInput.NEED  # read on every track: a global, not an Enum descriptor
 _STALE_KEEP = 16
 _T = TypeVar("_T")
 
@@ -136,7 +137,7 @@ class Session:
     def need(self) -> bool:
         """Requests want this session; True when the binding must (re)connect it."""
         before = self.state
-        self.state = session_next(before, SessionInput.NEED)
+        self.state = session_next(before, _ON_NEED)
         return before in (_IDLE, _BROKEN)
 
     def connected(self) -> bool:

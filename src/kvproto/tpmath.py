@@ -109,6 +109,15 @@ def target_remote_ranks(local_rank: int, local_tp: int, remote_tp: int) -> list[
     return [local_rank * -r + i for i in range(-r)]
 
 
+def holder_ranks(local_rank: int, local_tp: int, holder_tp: int) -> tuple[int, ...]:
+    """:func:`target_remote_ranks` of a ticket's holder TP size; () if the sizes do not
+    divide (a ticket is peer data: an impossible layout fails its request, not the reader)."""
+    big, small = max(local_tp, holder_tp), min(local_tp, holder_tp)
+    if small < 1 or big % small:
+        return ()
+    return tuple(target_remote_ranks(local_rank, local_tp, holder_tp))
+
+
 def expected_consumers(holder_tp: int, reader_tp: int) -> int:
     """How many reader ranks read from each holder rank, hence its done count."""
     r = tp_ratio(reader_tp, holder_tp)
