@@ -1,10 +1,12 @@
 """When each of the reader's sessions next has timer work: its heartbeat, or a re-Hello.
 
 A session's own time is ``session.beats.next_beat`` (inf: none). This module
-keeps those times in one heap with lazy deletion, so that re-scheduling a
-session costs O(log n) and finding the earliest time O(1) however many
-sessions there are: an entry whose time is no longer its session's is skipped
-when it reaches the top. It is apart from the reader because it is pure
+keeps the sessions in one bucket per time, and the bucket times in a heap,
+with lazy deletion: an entry whose time is no longer its session's is skipped
+when it is reached. Sessions beaten together are re-scheduled together (one
+interval on), so in the steady state a tick costs one heap operation and an
+append per session, not a heap operation per session; finding the earliest
+time stays O(1) amortised. It is apart from the reader because it is pure
 bookkeeping of times; what a due session does (heartbeat, re-Hello, nothing)
 is the reader's decision. The reader does not ask it on an idle step: it
 keeps :meth:`Reader.get_timer`'s last answer until an input comes.
@@ -13,42 +15,57 @@ keeps :meth:`Reader.get_timer`'s last answer until an input comes.
 from __future__ import annotations
 
 import heapq
-import itertools
 import math
+from collections import deque
 
 from kvproto.reader_session import Session
+
+_NEVER = math.inf
 
 
 class SessionTimers:
     """The sessions' next times, earliest first."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, int, Session]] = []
-        """(time, session serial, push number, session); an entry whose time is no longer
-        the session's ``next_beat`` was re-scheduled since and is skipped."""
-        self._pushes = itertools.count()
+        self._times: list[float] = []
+        """Heap of the times that have a bucket."""
+        self._buckets: dict[float, deque[Session]] = {}
+        """Time → the sessions scheduled at it, in scheduling order; a session whose
+        ``next_beat`` is no longer that time was re-scheduled since and is skipped."""
 
     def schedule(self, session: Session, at: float) -> None:
         """The session's timer is due at ``at`` (inf: none)."""
         beats = session.beats
         if at != beats.next_beat:
             beats.next_beat = at
-            if at < math.inf:
-                heapq.heappush(self._heap, (at, session.serial, next(self._pushes), session))
+            if at < _NEVER:
+                bucket = self._buckets.get(at)
+                if bucket is None:
+                    heapq.heappush(self._times, at)
+                    bucket = self._buckets[at] = deque()
+                bucket.append(session)
 
     def next_due(self) -> float:
         """The earliest time a session's timer is due (inf: none)."""
-        heap = self._heap
-        while heap and heap[0][3].beats.next_beat != heap[0][0]:
-            heapq.heappop(heap)  # re-scheduled since
-        return heap[0][0] if heap else math.inf
+        times, buckets = self._times, self._buckets
+        while times:
+            at = times[0]
+            bucket = buckets[at]
+            while bucket and bucket[0].beats.next_beat != at:
+                bucket.popleft()  # re-scheduled since
+            if bucket:
+                return at
+            heapq.heappop(times)
+            del buckets[at]
+        return _NEVER
 
     def due(self, now: float) -> list[Session]:
         """The sessions due by ``now``, in creation order (as a scan of all would serve them)."""
-        heap = self._heap
+        times, buckets = self._times, self._buckets
         due: dict[int, Session] = {}
-        while heap and heap[0][0] <= now:
-            at, serial, _, session = heapq.heappop(heap)
-            if session.beats.next_beat == at:
-                due[serial] = session
+        while times and times[0] <= now:
+            at = heapq.heappop(times)
+            for session in buckets.pop(at):
+                if session.beats.next_beat == at:
+                    due[session.serial] = session
         return [due[serial] for serial in sorted(due)]
