@@ -35,7 +35,16 @@ from kvproto import auth, legacy, wire
 from kvproto.config import LeaseConfig
 from kvproto.errors import LocalProtocolError, RemoteProtocolError
 from kvproto.events import FreeBlocks, HolderOutput, ReleaseReason, SendFrame
-from kvproto.holder_leases import STATE_INDEX, STATES, TERMINAL, UNSCHEDULED, LeaseTable
+from kvproto.holder_leases import (
+    GRANTED,
+    HELD,
+    NEXT_STATE,
+    NO_ROW,
+    STATES,
+    TERMINAL,
+    UNSCHEDULED,
+    LeaseTable,
+)
 from kvproto.holder_members import NOBODY, SEVERAL, SessionLeases
 from kvproto.holder_timers import DeadlineQueue
 from kvproto.ratelimit import ReplayWindow, TokenBucket
@@ -62,6 +71,9 @@ _END_STATE_COUNTER = {
     ReleaseReason.MAX_HOLD: "max_hold",
     ReleaseReason.PEER_LOST: "peer_lost",
 }
+
+_NEVER_RENEWED = -math.inf
+"""A session's deadline before its first heartbeat."""
 
 
 class _Session:
@@ -110,7 +122,7 @@ class _Session:
         self.bucket = bucket
         self.hello_nonce = hello.nonce
         self.server_nonce = b""
-        self.deadline = float("-inf")
+        self.deadline = _NEVER_RENEWED
         self.heap_due: float | None = None
         self.window = ReplayWindow()
         self.leases = leases
@@ -606,13 +618,16 @@ class Holder:
 
     def _claim(self, now: float, session: _Session, claim: wire.Claim) -> int | None:
         slot = self._check_claim(session, claim)
-        if slot is None or TERMINAL[self._leases.states[slot]]:
+        table = self._leases
+        if slot is None or TERMINAL[table.states[slot]]:
             return None
-        if self._leases.members.holds(slot, session.serial):
-            return slot
-        if session.leases.count >= self.config.max_leases_per_session:
+        leases = session.leases
+        if leases.count >= self.config.max_leases_per_session and not table.members.holds(
+            slot, session.serial
+        ):
             self.stats.limit_refusals += 1
             return None
+        # A claim of a lease the session renews already is the (HELD, CLAIM) row: no change.
         self._transition(slot, LeaseInput.CLAIM)
         self._attach(slot, session)
         return slot
@@ -624,7 +639,7 @@ class Holder:
         if slot is None:
             self.stats.unknown_lease += 1
             return None
-        owner = table.owner(slot)
+        owner = table.claimers.engines[table.claimer[slot]]  # table.owner, inline: every claim
         if owner is not None and owner != session.engine:
             self.stats.owner_mismatch += 1
             return None
@@ -781,16 +796,18 @@ class Holder:
 
     def _transition(self, slot: int, event: LeaseInput) -> None:
         states = self._leases.states
-        old = STATES[states[slot]]
-        new = lease_next(old, event)
-        if new is not old:
-            if old is LeaseState.GRANTED:
+        old = states[slot]
+        new = NEXT_STATE[event._value_][old]
+        if new == NO_ROW:
+            lease_next(STATES[old], event)  # raises: the lease table has no such row
+        if new != old:
+            if old == GRANTED:
                 self._granted -= 1
             else:
                 self._held -= 1
-            if new is LeaseState.HELD:
+            if new == HELD:
                 self._held += 1
-            states[slot] = STATE_INDEX[new]
+            states[slot] = new
 
     def _end(self, now: float, slot: int, event: LeaseInput, reason: ReleaseReason) -> None:
         self._transition(slot, event)
@@ -809,7 +826,7 @@ class Holder:
 
     def _attach(self, slot: int, session: _Session) -> None:
         self._leases.members.attach(slot, session.leases, self._leases.ids[slot])
-        if session.heap_due is None and session.deadline != float("-inf"):
+        if session.heap_due is None and session.deadline != _NEVER_RENEWED:
             self._schedule_session(session)
 
     def _detach(self, slot: int, session: _Session, *, fall_back: bool = True) -> None:

@@ -27,9 +27,9 @@ import math
 from array import array
 
 from kvproto.holder_claimers import UNCLAIMED, Claimers
-from kvproto.holder_members import Memberships
+from kvproto.holder_members import NOBODY, Memberships
 from kvproto.holder_requests import RequestIndex
-from kvproto.states import LeaseState
+from kvproto.states import LEASE_TRANSITIONS, LeaseInput, LeaseState
 from kvproto.ticket import TOKEN_BYTES, LeaseTicket, claim_proof
 
 STATES = tuple(LeaseState)
@@ -37,6 +37,23 @@ STATES = tuple(LeaseState)
 STATE_INDEX = {state: i for i, state in enumerate(STATES)}
 TERMINAL = bytes(state.terminal for state in STATES)
 """``TERMINAL[index]``: the state at ``index`` is terminal."""
+NO_ROW = 255
+"""In :data:`NEXT_STATE`: the lease table has no row for the pair."""
+NEXT_STATE = {
+    event._value_: bytes(
+        STATE_INDEX[LEASE_TRANSITIONS[(state, event)]]
+        if (state, event) in LEASE_TRANSITIONS
+        else NO_ROW
+        for state in STATES
+    )
+    for event in LeaseInput
+}
+""":data:`~kvproto.states.LEASE_TRANSITIONS` over state indices: ``NEXT_STATE[input
+value][state index]``, the next state's index. Derived from the table at import, so
+the table stays the one authority; keyed by the input's value because an Enum member
+hashes through a Python-level ``__hash__``, twice a lookup of a (state, input) pair."""
+GRANTED = STATE_INDEX[LeaseState.GRANTED]
+HELD = STATE_INDEX[LeaseState.HELD]
 UNSCHEDULED = math.nan
 """``due`` of a lease with no canonical timer entry (every comparison with it is False)."""
 FREE = 0
@@ -126,7 +143,7 @@ class LeaseTable:
 
     def has_request(self, request_id: str) -> bool:
         """A held lease has ``request_id``."""
-        return request_id in self.requests
+        return self.requests.find(request_id) is not None
 
     def __contains__(self, lease_id: int) -> bool:
         return self.slot(lease_id) is not None
@@ -137,31 +154,28 @@ class LeaseTable:
     def add(self, ticket: LeaseTicket, now: float, max_hold: float) -> int:
         """Hold ``ticket``'s lease, GRANTED; its slot."""
         lease_id = ticket.lease
-        slot = self.slot(lease_id)
-        if slot is not None:
-            # Held already (a holder granting and adopting from one id space): the
-            # newer lease takes the id, and with it the slot and the sessions that
-            # renew the id, as a dict keyed by id would have it.
-            self.requests.clear(slot)
-            self.claimers.release(self.claimer[slot])
-            self._clear_sparse(slot)
-        elif self._free:
-            slot = self._free.pop()
-            self._index(lease_id, slot)
+        home = lease_id & self._mask
+        slot = self._home[home]
+        if slot < 0 or self.ids[slot] != lease_id:
+            held = self._overflow.get(lease_id) if self._overflow else None
+            if held is None:
+                slot = self._new_slot(lease_id, home if slot < 0 else -1)
+                if slot == len(self.ids):
+                    self.ids.append(lease_id)
+                    self.requests.set(slot, ticket.request_id)
+                    self.tokens += ticket.token
+                    self.states.append(0)
+                    self.own.append(now + ticket.expires_in)
+                    self.hard.append(now + max_hold)
+                    self.due.append(UNSCHEDULED)
+                    self.claimer.append(UNCLAIMED)
+                    self.members.new_slot()
+                    return slot
+            else:
+                slot = held
+                self._let_go(slot)
         else:
-            slot = len(self.ids)
-            self.ids.append(lease_id)
-            self.requests.new_slot()
-            self.requests.set(slot, ticket.request_id)
-            self.tokens += ticket.token
-            self.states.append(0)
-            self.own.append(now + ticket.expires_in)
-            self.hard.append(now + max_hold)
-            self.due.append(UNSCHEDULED)
-            self.claimer.append(UNCLAIMED)
-            self.members.new_slot()
-            self._index(lease_id, slot)
-            return slot
+            self._let_go(slot)
         self.ids[slot] = lease_id
         self.requests.set(slot, ticket.request_id)
         start = slot * TOKEN_BYTES
@@ -172,6 +186,34 @@ class LeaseTable:
         self.due[slot] = UNSCHEDULED
         self.claimer[slot] = UNCLAIMED
         return slot
+
+    def _new_slot(self, lease_id: int, home: int) -> int:
+        """A slot for a lease id not held, indexed (``home``: its free home, or -1);
+        ``len(ids)`` when the columns must grow by one."""
+        slot = self._free.pop() if self._free else len(self.ids)
+        self._count += 1
+        if 2 * self._count > len(self._home):
+            self._grow_index()
+            home = lease_id & self._mask
+            if self._home[home] >= 0:
+                home = -1
+        if home >= 0:
+            self._home[home] = slot
+        else:
+            self._overflow[lease_id] = slot
+        return slot
+
+    def _let_go(self, slot: int) -> None:
+        """A held lease's id goes to a newer lease (a holder granting and adopting from
+        one id space): the newer one takes the slot and the sessions that renew the
+        id, as a dict keyed by id would have it; the rest of the older one goes."""
+        self.requests.clear(slot)
+        if self.claimer[slot] != UNCLAIMED:
+            self.claimers.release(self.claimer[slot])
+        if self.consumers:
+            self.consumers.pop(slot, None)
+        if self.legacy_done:
+            self.legacy_done.pop(slot, None)
 
     def forget(self, lease_id: int) -> None:
         """Drop the lease (if held); its slot is reused."""
@@ -184,24 +226,13 @@ class LeaseTable:
             self._home[home] = -1
         else:
             del self._overflow[lease_id]
-        self.members.clear(slot, lease_id)
-        self.requests.clear(slot)
-        self.claimers.release(self.claimer[slot])
+        if self.members.holder[slot] != NOBODY:
+            self.members.clear(slot, lease_id)
+        self._let_go(slot)
         self.claimer[slot] = UNCLAIMED
-        self._clear_sparse(slot)
         self.ids[slot] = FREE
         self.due[slot] = UNSCHEDULED
         self._free.append(slot)
-
-    def _index(self, lease_id: int, slot: int) -> None:
-        self._count += 1
-        if 2 * self._count > len(self._home):
-            self._grow_index()
-        home = lease_id & self._mask
-        if self._home[home] < 0:
-            self._home[home] = slot
-        else:
-            self._overflow[lease_id] = slot
 
     def _grow_index(self) -> None:
         held = [slot for slot in self._home if slot >= 0]
@@ -216,12 +247,6 @@ class LeaseTable:
                 self._home[home] = slot
             else:
                 self._overflow[self.ids[slot]] = slot
-
-    def _clear_sparse(self, slot: int) -> None:
-        if self.consumers:
-            self.consumers.pop(slot, None)
-        if self.legacy_done:
-            self.legacy_done.pop(slot, None)
 
     # ------------------------------------------------------------ fields
 

@@ -167,11 +167,10 @@ class Memberships:
 
     def detach(self, slot: int, leases: SessionLeases, lease_id: int) -> bool:
         """The session no longer renews the lease; False if it did not."""
-        held = self.holder[slot]
         serial = leases.serial
         nodes = self._nodes.get(slot) if self._nodes else None
         if nodes is None:
-            if held != serial:
+            if self.holder[slot] != serial:
                 return False
             self.holder[slot] = NOBODY
             node = slot
@@ -205,26 +204,18 @@ class Memberships:
             self._x_prev.append(NO_NODE)
         return -2 - i
 
-    def _set_next(self, node: int, to: int) -> None:
-        if node >= 0:
-            self._next[node] = to
-        else:
-            self._x_next[-2 - node] = to
-
-    def _set_prev(self, node: int, to: int) -> None:
-        if node >= 0:
-            self._prev[node] = to
-        else:
-            self._x_prev[-2 - node] = to
-
     def _link(self, leases: SessionLeases, node: int) -> None:
         tail = leases.tail
-        self._set_prev(node, tail)
-        self._set_next(node, NO_NODE)
+        if node >= 0:
+            self._prev[node], self._next[node] = tail, NO_NODE
+        else:
+            self._x_prev[-2 - node], self._x_next[-2 - node] = tail, NO_NODE
         if tail == NO_NODE:
             leases.head = node
+        elif tail >= 0:
+            self._next[tail] = node
         else:
-            self._set_next(tail, node)
+            self._x_next[-2 - tail] = node
         leases.tail = node
 
     def _unlink(self, leases: SessionLeases, node: int) -> None:
@@ -234,9 +225,13 @@ class Memberships:
             before, after = self._x_prev[-2 - node], self._x_next[-2 - node]
         if before == NO_NODE:
             leases.head = after
+        elif before >= 0:
+            self._next[before] = after
         else:
-            self._set_next(before, after)
+            self._x_next[-2 - before] = after
         if after == NO_NODE:
             leases.tail = before
+        elif after >= 0:
+            self._prev[after] = before
         else:
-            self._set_prev(after, before)
+            self._x_prev[-2 - after] = before

@@ -31,10 +31,6 @@ class RequestIndex:
         self._mask = _FIRST_SIZE - 1
         self._count = 0
 
-    def new_slot(self) -> None:
-        """The table has grown by one slot (with no request id yet)."""
-        self.names.append("")
-
     def find(self, request_id: str) -> int | None:
         """The slot indexed under ``request_id``, or None."""
         if not request_id:
@@ -49,14 +45,14 @@ class RequestIndex:
                 return slot
             i = (i + 1) & mask
 
-    def __contains__(self, request_id: str) -> bool:
-        return self.find(request_id) is not None
-
     def set(self, slot: int, request_id: str) -> None:
-        """Slot ``slot`` (holding no request id) now holds ``request_id``, which its
-        lookups find from now on (over an older slot with the same id, as a dict
-        assignment would)."""
-        self.names[slot] = request_id
+        """Slot ``slot`` (holding no request id, or the next new slot) now holds
+        ``request_id``, which its lookups find from now on (over an older slot with
+        the same id, as a dict assignment would)."""
+        if slot == len(self.names):
+            self.names.append(request_id)
+        else:
+            self.names[slot] = request_id
         if not request_id:
             return
         table, mask, names = self._table, self._mask, self.names
@@ -90,12 +86,9 @@ class RequestIndex:
                 break
             i = (i + 1) & mask
         self._count -= 1
-        self._close_gap(i)
-
-    def _close_gap(self, gap: int) -> None:
-        """Empty position ``gap``, moving back each later entry of its run that may sit there."""
-        table, mask, names = self._table, self._mask, self.names
-        i = gap
+        # Close the gap: move back each later entry of its run that may sit there.
+        names = self.names
+        gap = i
         while True:
             i = (i + 1) & mask
             slot = table[i]
