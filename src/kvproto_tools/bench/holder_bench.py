@@ -1,4 +1,4 @@
-"""Holder figures: idle step, steady heartbeat (bytes and decode+apply), claim phase.
+"""Holder figures: idle step, steady heartbeat (bytes and decode+apply), claim phase and its floor.
 
 kvproto side: a real :class:`~kvproto.holder.Holder` with N leases held by one
 reader session in sync (:mod:`.fixtures`). Anchor side: the restated vLLM
@@ -7,7 +7,10 @@ lease v4 prefill path (:mod:`.anchor`) holding the same N request ids.
 
 from __future__ import annotations
 
+import hmac
 import itertools
+import statistics
+import time
 
 from kvproto import auth, wire
 from kvproto.events import SendFrame
@@ -16,13 +19,15 @@ from kvproto_tools.bench import anchor
 from kvproto_tools.bench.figures import Figure
 from kvproto_tools.bench.fixtures import READER_PEER, HolderFixture
 from kvproto_tools.bench.plan import Plan
-from kvproto_tools.bench.timing import paired_ns, quiet_gc
+from kvproto_tools.bench.timing import no_gc, paired_ns, quiet_gc
 
 IDLE_TARGET_US = 10.0
 BYTES_TARGET = 2.0
 APPLY_TARGET_RATIO = 10.0
 APPLY_TARGET_SIZE = 10_000
 IDLE_TARGET_SIZE = 100_000
+FLOOR_CLAIMS = 10_000
+"""Claims the floor is timed over (at most): its per-claim cost does not depend on N."""
 
 
 def measure(
@@ -40,7 +45,7 @@ def measure(
         return figures
     apply = next(f for f in hb if f.name == "holder.heartbeat_apply")
     assert apply.anchor_value is not None
-    figures += _claim(fx, vllm, apply.anchor_value * 1e3 / fx.n)
+    figures += _claim(fx, vllm, apply.anchor_value * 1e3 / fx.n, plan)
     return figures
 
 
@@ -257,10 +262,13 @@ def _mac(fx: HolderFixture, plan: Plan) -> list[Figure]:
     ]
 
 
-def _claim(fx: HolderFixture, vllm: anchor.VllmPrefill, vllm_ns_per_lease: float) -> list[Figure]:
+def _claim(
+    fx: HolderFixture, vllm: anchor.VllmPrefill, vllm_ns_per_lease: float, plan: Plan
+) -> list[Figure]:
     """The one-off cost of getting N leases into a session, beside one vLLM tick."""
     n = fx.n
     c = fx.claim
+    floor = _claim_floor_ns(fx, plan.repeats_for(n))
     text = anchor.heartbeat_frame(vllm.request_ids)
     return [
         Figure(name="holder.claim_ticks", size=n, value=c.ticks, unit="ticks"),
@@ -286,4 +294,37 @@ def _claim(fx: HolderFixture, vllm: anchor.VllmPrefill, vllm_ns_per_lease: float
             anchor="vllm-v4 one tick's apply, per lease",
             anchor_value=vllm_ns_per_lease,
         ),
+        Figure(
+            name="holder.claim_floor",
+            size=n,
+            value=floor,
+            unit="ns",
+            anchor="vllm-v4 one tick's apply, per lease",
+            anchor_value=vllm_ns_per_lease,
+        ),
     ]
+
+
+def _claim_floor_ns(fx: HolderFixture, repeats: int) -> float:
+    """Per claim: what any authenticated claim must do -- find the lease's token by its
+    id and check the claim's proof (a keyed BLAKE2b under that token, compared in
+    constant time).
+
+    The proof is keyed by each lease's own token, so no two claims share work and
+    nothing can be cached: this is the floor under ``holder.claim_apply_per_lease``,
+    which adds the frame's decoding, its MAC share (``holder.claim_mac_per_lease``),
+    the acknowledgement and the lease bookkeeping."""
+    tickets = fx.tickets[:FLOOR_CLAIMS]
+    tokens = {t.lease: t.token for t in tickets}
+    claims = [wire.Claim(lease=t.lease, proof=claim_proof(t.token, "D", t.lease)) for t in tickets]
+    samples = []
+    with no_gc():
+        for _ in range(repeats):
+            start = time.perf_counter_ns()
+            for claim in claims:
+                if not hmac.compare_digest(
+                    claim_proof(tokens[claim.lease], "D", claim.lease), claim.proof
+                ):
+                    raise RuntimeError("a claim of the fixture's own tickets did not check")
+            samples.append((time.perf_counter_ns() - start) / len(claims))
+    return statistics.median(samples)
