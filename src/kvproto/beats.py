@@ -34,7 +34,7 @@ class Inflight(msgspec.Struct):
     """One sent heartbeat, remembered until its acknowledgement (or until pushed out).
 
     A Struct, not a dataclass: one is made per heartbeat sent, and CPython 3.11 makes a
-    Python class instance at ~4k instructions against msgspec's ~0.4k."""
+    Python class instance at ~4k instructions against msgspec's ~1k."""
 
     sent: float
     """When it left (local clock)."""
