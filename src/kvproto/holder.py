@@ -665,7 +665,7 @@ class Holder:
         table = self._leases
         wanted = set(wire.delta_decode(deltas))
         slots = {table.ids[slot]: slot for slot in table.members.slots(session.leases)}
-        holding = set(slots)  # the sets the old per-session set made: the same order of lost
+        holding = set(slots)  # built in join order, as before: ``lost`` keeps its order
         for lease_id in holding - wanted:
             self._detach(slots[lease_id], session)
         for lease_id in wanted - holding:
