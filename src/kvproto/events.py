@@ -8,7 +8,8 @@ blocks, fails the request so it is recomputed).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+
+import msgspec
 
 from kvproto.tpmath import BlockSlice
 from kvproto.transport import PeerId
@@ -56,8 +57,7 @@ class FailReason(enum.Enum):
     """The ticket is unusable (wrong TP layout, expired before arrival)."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SendFrame:
+class SendFrame(msgspec.Struct, frozen=True, kw_only=True):
     """Send ``payload`` to ``peer`` as one notification."""
 
     peer: PeerId
@@ -66,8 +66,7 @@ class SendFrame:
     """The frame, already encoded and sized to the transport's limit."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class FreeBlocks:
+class FreeBlocks(msgspec.Struct, frozen=True, kw_only=True):
     """Holder: the lease ended; the blocks may be reused now."""
 
     lease: int
@@ -78,8 +77,7 @@ class FreeBlocks:
     """Why."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Connect:
+class Connect(msgspec.Struct, frozen=True, kw_only=True):
     """Reader: make ``(engine, rank)`` reachable, then call ``reader.connected``."""
 
     engine: str
@@ -88,8 +86,7 @@ class Connect:
     """Holder TP rank."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RequestFailed:
+class RequestFailed(msgspec.Struct, frozen=True, kw_only=True):
     """Reader: the request cannot use the remote blocks; recompute it."""
 
     request_id: str
@@ -98,16 +95,14 @@ class RequestFailed:
     """Why."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ReadConfirmed:
+class ReadConfirmed(msgspec.Struct, frozen=True, kw_only=True):
     """Reader: every holder rank confirmed the lease was held through the read."""
 
     request_id: str
     """The reader's request id; its loaded blocks are safe to use."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ReadOrder:
+class ReadOrder(msgspec.Struct, frozen=True, kw_only=True):
     """One transfer a reader rank must issue for a request (one per holder rank)."""
 
     holder_rank: int
@@ -122,24 +117,21 @@ class ReadOrder:
     """Which part of each remote block this read takes."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ReadGo:
+class ReadGo(msgspec.Struct, frozen=True, kw_only=True):
     """Reader: start these transfers now."""
 
     orders: tuple[ReadOrder, ...]
     """One per holder rank this reader rank reads from."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ReadDeclined:
+class ReadDeclined(msgspec.Struct, frozen=True, kw_only=True):
     """Reader: do not read; the request was failed with ``reason`` (see RequestFailed)."""
 
     reason: FailReason
     """Why the read was not started."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ReadDeferred:
+class ReadDeferred(msgspec.Struct, frozen=True, kw_only=True):
     """Reader: do not read yet; the lease was renewed early, ask again on a later step.
 
     The deadline bound was within ``read_margin`` only because no heartbeat was
