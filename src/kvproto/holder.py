@@ -309,14 +309,18 @@ class Holder:
 
     def get_timer(self) -> float | None:
         """The next time :meth:`handle_timer` has work, or None."""
-        times = []
-        if self._lease_deadlines.soonest != math.inf:
-            times.append(self._lease_deadlines.soonest)
+        # The binding asks after every step: compare in place, build nothing.
+        soonest = self._lease_deadlines.soonest
+        found = soonest != math.inf
         if self._session_heap:
-            times.append(self._session_heap[0][0])
+            due = self._session_heap[0][0]
+            if not found or due < soonest:
+                soonest, found = due, True
         if self._tombstones:
-            times.append(self._tombstones[0][0])
-        return min(times) if times else None
+            due = self._tombstones[0][0]
+            if not found or due < soonest:
+                soonest, found = due, True
+        return soonest if found else None
 
     def handle_timer(self, now: float) -> None:
         """End every lease whose deadline passed by ``now``. O(1) when nothing is due."""
