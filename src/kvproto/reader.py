@@ -1,9 +1,11 @@
 """The reader: heartbeats leases from scheduler entry, reads, and trusts data only when fenced.
 
 Sans-I/O like :mod:`kvproto.holder`. One :class:`Reader` serves one reader
-rank; it keeps the requests and ties the parts together: sessions with the
-holder ranks (:mod:`kvproto.reader_session`) and their timers
-(:mod:`kvproto.reader_timers`), what a heartbeat carries (:mod:`kvproto.beats`),
+rank; it keeps the requests and ties the parts together: the sessions with the
+holder ranks, their table, life cycle, timers and heartbeats
+(:mod:`kvproto.reader_sessions`; one session's own state is
+:mod:`kvproto.reader_session`, its timer bookkeeping :mod:`kvproto.reader_timers`),
+what a heartbeat carries (:mod:`kvproto.beats`),
 deadline maths (:mod:`kvproto.bounds`), the per-request bounds and read
 deferral (:mod:`kvproto.reader_requests`), the dones awaiting their verdict
 (:mod:`kvproto.reader_dones`) and which holder frames are heard at all
@@ -31,7 +33,6 @@ from kvproto.clock import SkewEstimator, SkewSample
 from kvproto.config import LeaseConfig
 from kvproto.errors import LocalProtocolError
 from kvproto.events import (
-    Connect,
     FailReason,
     ReadConfirmed,
     ReadDeclined,
@@ -40,7 +41,6 @@ from kvproto.events import (
     ReadGo,
     ReadOrder,
     RequestFailed,
-    SendFrame,
 )
 from kvproto.reader_dones import AwaitedDones, done_frame, verdict_of
 from kvproto.reader_frames import Unheard, heard
@@ -53,8 +53,8 @@ from kvproto.reader_requests import (
     in_sync_bound,
     renewable,
 )
-from kvproto.reader_session import ReaderSide, Session, WelcomeProblem
-from kvproto.reader_timers import SessionTimers
+from kvproto.reader_session import ReaderSide, Session
+from kvproto.reader_sessions import HolderSessions
 from kvproto.states import (
     DoneAckAction,
     ReadInput,
@@ -65,7 +65,7 @@ from kvproto.states import (
 )
 from kvproto.stats import ReaderStats
 from kvproto.ticket import LeaseTicket, claim_proof, ticket_problem
-from kvproto.tpmath import holder_ranks, read_slices
+from kvproto.tpmath import read_slices
 from kvproto.transport import PeerId
 
 _HOLDER_ALREADY_ENDED = frozenset(
@@ -87,7 +87,6 @@ _ON_READ_DONE = ReadInput.READ_DONE
 _OPEN = SessionState.OPEN
 _READING = ReadState.READING
 _STARTED = frozenset({_READING, _AWAITING_ACK})
-_ROUTES_KEEP = 1024
 _UNKNOWN = -math.inf  # Reader._wake: an input came since get_timer last looked
 _NEVER = math.inf  # Reader._wake: no timer is set
 
@@ -113,28 +112,33 @@ class Reader:
         self.rank = rank
         self.tp_size = tp_size
         self.stats = ReaderStats()
-        self._entropy = entropy
-        self._side = ReaderSide(
-            engine=engine, rank=rank, tp_size=tp_size, incarnation=incarnation, config=config
-        )
         self._drift = config.drift
-        self._budget = config.frame_budget  # a property of a frozen config: read once
         self._requests: dict[str, Request] = {}
-        self._sessions: dict[SessionKey, Session] = {}
-        self._by_peer: dict[PeerId, list[Session]] = {}
         self._by_lease: dict[tuple[str, int], str] = {}
-        self._deferrals = Deferrals(self._requests, self._sessions, config.ack_timeout)
+        self._sessions: dict[SessionKey, Session] = {}
+        """The sessions by holder rank; :class:`HolderSessions` alone makes them."""
         self._dones = AwaitedDones(self._requests, self._sessions, config)
-        self._routes: dict[tuple[str, int], tuple[Session, ...]] = {}
-        """(holder engine, holder TP size) → the sessions a ticket of it is tracked on, in
-        holder rank order (empty: the TP sizes do not divide)."""
-        self._timers = SessionTimers()
+        self._holders = holders = HolderSessions(
+            ReaderSide(
+                engine=engine, rank=rank, tp_size=tp_size, incarnation=incarnation, config=config
+            ),
+            self._requests,
+            self._sessions,
+            stats=self.stats,
+            entropy=entropy,
+            fail=self._fail,
+            attach=self._attach,
+            awaiting=self._dones.of_session,
+        )
+        self._timers = holders.timers  # track schedules the claim's heartbeat itself
+        self._deferrals = Deferrals(self._requests, self._sessions, config.ack_timeout)
         self._wake = _UNKNOWN
         """The next time timer work is due (inf: none), as :meth:`get_timer` last found it;
         ``_UNKNOWN`` once an input has come since, as any input may set or clear a timer:
         every input method forgets it first. An idle step (the binding's ``handle_timer``
         then ``get_timer`` with no input between) then costs two comparisons."""
-        self._out: list[ReaderOutput] = []
+        self._out = holders.out
+        """What the binding must do, in order; one list with ``holders.out`` (:meth:`drain`)."""
 
     # ------------------------------------------------------------------ API
 
@@ -148,8 +152,9 @@ class Reader:
         if request_id in self._requests:
             raise LocalProtocolError(f"request {request_id!r} is already tracked")
         self.stats.tracked += 1
+        holders = self._holders
         # First: the ticket bounds holder_tp_size before it picks the sessions.
-        sessions = self._route(ticket) if ticket_problem(ticket) is None else ()
+        sessions = holders.route(ticket) if ticket_problem(ticket) is None else ()
         proof = claim_proof(ticket.token, self.engine, ticket.lease) if sessions else b""
         parts = {}
         for session in sessions:
@@ -175,9 +180,9 @@ class Reader:
         for session in restarted:
             session.parked.append(request_id)
             if session.state is _OPEN:
-                self._rehello(now, session)
+                holders.rehello(now, session)
         for session in sessions:
-            self._need(session)
+            holders.need(session)
             if restarted and session in restarted:
                 continue
             self._attach(session, req)
@@ -252,7 +257,7 @@ class Reader:
                 renewable(req, self._sessions[(engine, r)], now, margin, drift) for r in close
             ):
                 self.stats.deferred += 1
-                return self._deferrals.defer(now, req, close, self._beat)
+                return self._deferrals.defer(now, req, close, self._holders.beat)
             self._decline(now, req)
             return ReadDeclined(reason=FailReason.DEADLINE_TOO_CLOSE)
         self._deferrals.ids.discard(request_id)
@@ -315,16 +320,7 @@ class Reader:
         a session never asked for (no ``Connect`` output) is misuse.
         """
         self._wake = _UNKNOWN
-        session = self._known_session(engine, rank)
-        if not session.connected():
-            self.stats.stale_connects += 1
-            return
-        if session.peer != peer:
-            if session.peer:
-                self._by_peer[session.peer].remove(session)
-            session.peer = peer
-            self._by_peer.setdefault(peer, []).append(session)
-        self._hello(now, session)
+        self._holders.connected(now, self._known_session(engine, rank), peer)
 
     def connect_failed(self, now: float, *, engine: str, rank: int) -> None:
         """The binding could not reach holder ``(engine, rank)``: its requests recompute.
@@ -332,18 +328,17 @@ class Reader:
         A session never asked for is misuse (:class:`LocalProtocolError`).
         """
         self._wake = _UNKNOWN
-        self._break(now, self._known_session(engine, rank), FailReason.CONNECT_FAILED)
+        self._holders.break_(now, self._known_session(engine, rank), FailReason.CONNECT_FAILED)
 
     def peer_lost(self, now: float, peer: PeerId) -> None:
         """The transport says ``peer`` is gone: the blocks it held are gone too."""
         self._wake = _UNKNOWN
-        for session in list(self._by_peer.get(peer, ())):
-            self._break(now, session, FailReason.LEASE_LOST)
+        self._holders.peer_lost(now, peer)
 
     def handle_frame(self, now: float, peer: PeerId, data: bytes) -> None:
         """Apply one notification from a holder. Bad input is dropped and counted."""
         self._wake = _UNKNOWN
-        sessions = self._by_peer.get(peer)
+        sessions = self._holders.by_peer.get(peer)
         if not sessions or len(data) > self.config.max_frame_bytes:
             self.stats.unexpected_frames += 1
             return
@@ -354,7 +349,7 @@ class Reader:
         elif msg is Unheard.BAD_MAC:
             self.stats.bad_mac += 1
         elif isinstance(msg, wire.Welcome):
-            self._on_welcome(now, session, msg, data)
+            self._holders.on_welcome(now, session, msg, data)
         elif isinstance(msg, wire.HeartbeatAck):
             self._on_ack(now, session, msg)
         elif isinstance(msg, wire.DoneAck):
@@ -363,7 +358,7 @@ class Reader:
             for lease in msg.leases:
                 self._lease_failed(now, session, lease, FailReason.REVOKED)
         elif isinstance(msg, wire.Reject):
-            self._on_reject(now, session, msg)
+            self._holders.on_reject(now, session, msg)
         else:
             self.stats.unexpected_frames += 1
 
@@ -386,7 +381,7 @@ class Reader:
         if now < self._wake:
             return  # nothing is due: the idle step (benchmarked)
         self._wake = _UNKNOWN
-        self._serve_sessions(now)
+        self._holders.serve(now)
         dones = self._dones
         if dones.keys:
             self.stats.done_resent += dones.serve(
@@ -395,18 +390,6 @@ class Reader:
         if self._deferrals.ids:
             self._deferrals.expire(now, lambda req: self._decline(now, req))
 
-    def _serve_sessions(self, now: float) -> None:
-        for session in self._timers.due(now):
-            if session.beats.next_beat > now:
-                continue  # rescheduled by an earlier session's work
-            if session.state is _HELLO_SENT:
-                self._fail_lapsed(now, session)
-                self._hello(now, session)
-            elif session.state is _OPEN:
-                self._beat(now, session)
-            else:
-                self._timers.schedule(session, math.inf)
-
     def _decline(self, now: float, req: Request) -> None:
         """The lease may end before the read would: the request recomputes."""
         self.stats.declined += 1
@@ -414,7 +397,8 @@ class Reader:
 
     def drain(self) -> list[ReaderOutput]:
         """Everything the binding must do now, in order."""
-        out, self._out = self._out, []
+        out = self._out
+        self._out = self._holders.out = []
         return out
 
     # ------------------------------------------------------------ queries
@@ -447,47 +431,6 @@ class Reader:
 
     # ------------------------------------------------------------ frames
 
-    def _fail_lapsed(self, now: float, session: Session) -> None:
-        """Unwelcomed, fail the requests whose lease lapsed (:meth:`Session.lapsed`)."""
-        for rid in session.lapsed(now, self._requests):
-            self._fail(now, self._requests[rid], FailReason.LEASE_LOST)
-
-    def _hello(self, now: float, session: Session) -> None:
-        self._timers.schedule(
-            session, now + session.interval(self._requests)
-        )  # re-Hello if no Welcome by then
-        payload = session.hello(now, self._entropy(16), session.anchor(self._requests))
-        if payload is not None:
-            self._out.append(SendFrame(peer=session.peer, payload=payload))
-
-    def _on_welcome(self, now: float, session: Session, msg: wire.Welcome, data: bytes) -> None:
-        problem = session.welcome(now, msg, data)
-        if problem is not None:
-            if problem is WelcomeProblem.BAD_MAC:
-                self.stats.bad_mac += 1
-            else:
-                self.stats.unexpected_frames += 1
-            return
-        beats = session.beats
-        for lease, rid in list(beats.leases.items()):
-            req = self._requests.get(rid)
-            reason = None if req is None else session.welcomed_verdict(now, req.ticket)
-            if req is not None and reason is not None:
-                self._fail(now, req, reason)
-            else:
-                beats.pending_claims.setdefault(lease, self._proof_of(rid))
-        parked, session.parked = session.parked, []
-        for rid in parked:
-            req = self._requests.get(rid)
-            if req is None or req.failed:
-                continue
-            reason = session.welcomed_verdict(now, req.ticket)
-            if reason is not None:
-                self._fail(now, req, reason)
-            else:
-                self._attach(session, req)
-        self._beat(now, session)  # at once: vLLM dropped the heartbeat of the handshake tick
-
     def _on_ack(self, now: float, session: Session, ack: wire.HeartbeatAck) -> None:
         beats = session.beats
         sent = beats.answered(now, ack.seq)
@@ -512,7 +455,7 @@ class Reader:
             beats.pending_claims.pop(lease, None)
             self._lease_failed(now, session, lease, FailReason.LEASE_LOST)
         if beats.compared(ack.seq, sent, resync=ack.resync):
-            self._deferrals.resync(now, session, ack.seq, self._beat)
+            self._deferrals.resync(now, session, ack.seq, self._holders.beat)
 
     def _on_done_ack(self, now: float, session: Session, msg: wire.DoneAck) -> None:
         req, part = self._find(session, msg.lease)
@@ -536,70 +479,13 @@ class Reader:
         else:
             self.stats.unexpected_frames += 1
 
-    def _on_reject(self, now: float, session: Session, msg: wire.Reject) -> None:
-        self.stats.rejects += 1
-        if msg.reason == wire.RejectReason.NO_SESSION:
-            self._rehello(now, session)
-        else:
-            self._break(now, session, FailReason.CONNECT_FAILED)
-
-    def _rehello(self, now: float, session: Session) -> None:
-        """The holder does not know this session (any more): Hello again, re-claim all."""
-        session.rejected(self._proof_of)
-        self._hello(now, session)
-
-    def _beat(self, now: float, session: Session) -> int:
-        """Send this tick's heartbeat(s) (:meth:`kvproto.beats.Beats.frames`); how many."""
-        beats = session.beats
-        params = session.params
-        if beats.leases.count or beats.pending_aborts:
-            interval = params.interval if params is not None else session.interval(self._requests)
-            self._timers.schedule(session, now + interval)
-        else:
-            self._timers.schedule(session, _NEVER)
-        if beats.want_full:
-            self.stats.resyncs += 1
-        stats, out, peer = self.stats, self._out, session.peer
-        sent = 0
-        for payload in beats.frames(
-            now, key=session.up, budget=self._budget, proof_of=self._proof_of
-        ):
-            sent += 1
-            stats.heartbeat_bytes += len(payload)
-            out.append(SendFrame(peer=peer, payload=payload))
-        stats.heartbeats_sent += sent
-        return sent
-
     # ------------------------------------------------------------ helpers
-
-    def _route(self, ticket: LeaseTicket) -> tuple[Session, ...]:
-        """The sessions ``ticket``'s request is tracked on (cached); () if the TP sizes do
-        not divide."""
-        key = (ticket.holder_engine, ticket.holder_tp_size)
-        route = self._routes.get(key)
-        if route is None:
-            ranks = holder_ranks(self.rank, self.tp_size, ticket.holder_tp_size)
-            route = tuple(self._session(ticket.holder_engine, r) for r in ranks)
-            if len(self._routes) < _ROUTES_KEEP:  # tickets are peer data: bound the cache
-                self._routes[key] = route
-        return route
-
-    def _session(self, engine: str, rank: int) -> Session:
-        session = self._sessions.get((engine, rank))
-        if session is None:
-            session = Session(self._side, engine=engine, rank=rank, serial=len(self._sessions))
-            self._sessions[(engine, rank)] = session
-        return session
 
     def _known_session(self, engine: str, rank: int) -> Session:
         session = self._sessions.get((engine, rank))
         if session is None:
             raise LocalProtocolError(f"no session was asked for {(engine, rank)}")
         return session
-
-    def _need(self, session: Session) -> None:
-        if session.need():
-            self._out.append(Connect(engine=session.engine, rank=session.rank))
 
     def _attach(self, session: Session, req: Request) -> None:
         """The session heartbeats ``req``'s lease from now on (claim in the next beat)."""
@@ -630,7 +516,7 @@ class Reader:
         self._release(now, session, lease, req.request_id)
         if session.state is _OPEN:
             session.beats.pending_aborts[lease] = req.proof
-            self._beat(now, session)  # free the holder's memory now, not at the next tick
+            self._holders.beat(now, session)  # free the holder's memory now, not at the next tick
         elif session.state in (_CONNECTING, _HELLO_SENT):
             # Not welcomed yet: the first heartbeat after Welcome carries the abort,
             # so a request given up before the handshake does not strand its blocks
@@ -675,23 +561,9 @@ class Reader:
         req = None if rid is None else self._requests.get(rid)
         return req, None if req is None else req.parts.get(session.rank)
 
-    def _break(self, now: float, session: Session, reason: FailReason) -> None:
-        held = session.lost()
-        self._timers.schedule(session, math.inf)
-        for rid in held:
-            req = self._requests.get(rid)
-            if req is not None:
-                self._fail(now, req, reason)
-        session.parked.clear()
-        for req in self._dones.of_session(session):
-            self._fail(now, req, reason)
-
     def _deadline_bound(self, req: Request, rank: int, now: float) -> float:
         session = self._sessions[(req.ticket.holder_engine, rank)]
         return deadline_bound(req, req.parts[rank], session, now, self._drift)
-
-    def _proof_of(self, request_id: str) -> bytes:
-        return self._requests[request_id].proof
 
     def _get(self, request_id: str) -> Request:
         req = self._requests.get(request_id)

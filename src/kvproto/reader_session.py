@@ -6,10 +6,11 @@ through :func:`~kvproto.states.session_next`), the Hello's anchor and nonce,
 the keys a Welcome proves, the holder incarnations known to be gone, the
 clock-offset estimate and the heartbeat side (:class:`~kvproto.beats.Beats`).
 Its decisions are pure: which ticket anchors the next Hello, whether a
-Welcome is genuine, which requests a Welcome or a silent holder ends. The
-:class:`~kvproto.reader.Reader` keeps the requests and acts on the answers
-(fails requests, sends frames, sets timers); this module never sees it, only
-requests through the :class:`Tracked` protocol.
+Welcome is genuine, which requests a Welcome or a silent holder ends.
+:class:`~kvproto.reader_sessions.HolderSessions` acts on the answers (sends
+frames, sets timers, has the :class:`~kvproto.reader.Reader`, which keeps the
+requests, fail them); this module sees requests only through the
+:class:`Tracked` protocol.
 """
 
 from __future__ import annotations
