@@ -77,15 +77,21 @@ HOLDER_NAMES = (
     "holder.claim_bytes_per_lease",
     "holder.claim_ack_bytes_per_lease",
     "holder.claim_apply_per_lease",
+    "holder.claim_floor",
 )
 READER_NAMES = (
     "reader.track",
+    "reader.track_floor",
     "reader.idle_step",
     "reader.heartbeat_tick",
     "reader.heartbeat_bytes_per_request",
 )
 MEMORY_NAMES = ("memory.per_lease", "memory.gc_full_collect")
-TRANSPORT_NAMES = ("transport.loopback.heartbeat_rtt", "transport.loopback.read64_confirmed")
+TRANSPORT_NAMES = (
+    "transport.loopback.heartbeat_rtt",
+    "transport.loopback.heartbeat_rtt_cores",
+    "transport.loopback.read64_confirmed",
+)
 SCALING_NAMES = ("scaling.idle_step.exponent", "scaling.heartbeat_apply.exponent")
 
 
