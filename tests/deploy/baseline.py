@@ -35,7 +35,18 @@ class Baseline:
     def check(self, kind: str, prompt: str, max_tokens: int, got: Answer) -> None:
         """Assert ``got`` (streamed or not) equals the baseline's answer."""
         want = self.answer(kind, prompt, max_tokens)
-        assert got.text == want.text, (kind, prompt[:40], got.text, want.text)
+        # Token ids and finish reasons in the message: a shorter text can be an early stop
+        # or bytes the detokenizer held back, and only these tell which.
+        assert got.text == want.text, (
+            kind,
+            prompt[:40],
+            got.text,
+            want.text,
+            got.token_ids,
+            want.token_ids,
+            got.finish_reason,
+            want.finish_reason,
+        )
         if got.token_ids is not None:
             assert got.token_ids == want.token_ids
         assert got.finish_reason == want.finish_reason == "length"
