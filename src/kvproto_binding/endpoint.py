@@ -110,6 +110,8 @@ class BindingStats:
     """Frames the transport refused for another reason (back-pressure); the protocol repeats."""
     unroutable: int = 0
     """Frames for a role this endpoint does not host."""
+    failures_held: int = 0
+    """Request failures held back until the request's reads in flight ended."""
 
 
 class Endpoint:
@@ -129,6 +131,10 @@ class Endpoint:
         self.reader = reader
         self.stats = BindingStats()
         self._reads: dict[ReadId, tuple[str, int]] = {}
+        self._reading: dict[str, int] = {}
+        """Request id -> its reads in flight (a transport read may still write its blocks)."""
+        self._held_failures: dict[str, RequestFailed] = {}
+        """Failures of requests with reads in flight, surfaced when the last read ends."""
         self._cores: tuple[Holder | Reader, ...] = tuple(
             c for c in (holder, reader) if c is not None
         )
@@ -198,6 +204,7 @@ class Endpoint:
                     reader.read_failed(now, request_id, order.holder_rank)
                     continue
                 self._reads[read_id] = (request_id, order.holder_rank)
+                self._reading[request_id] = self._reading.get(request_id, 0) + 1
         self._flush(now)
         return decision
 
@@ -263,12 +270,18 @@ class Endpoint:
         if entry is None or self.reader is None:
             return
         request_id, rank = entry
+        left = self._reading.pop(request_id) - 1
+        if left:
+            self._reading[request_id] = left
         # A request finished (aborted) while its read was in flight is the reader's
         # counted no-op (stats.late_read_results), not an error.
         if ok:
             self.reader.read_completed(now, request_id, rank)
         else:
             self.reader.read_failed(now, request_id, rank)
+        held = self._held_failures.pop(request_id, None) if not left else None
+        if held is not None:
+            self._engine_outputs.append(held)
 
     def _flush(self, now: float) -> None:
         """Carry out every output until the cores are quiet.
@@ -281,6 +294,13 @@ class Endpoint:
             for out in self._drain_cores():  # every core's, before any is carried out
                 if isinstance(out, SendFrame):
                     self._send(now, out)
+                elif isinstance(out, RequestFailed) and out.request_id in self._reading:
+                    # The reader gave the request up (its lease lost, say) while a READ
+                    # into its blocks is still in flight: the engine would recompute into,
+                    # or reuse, blocks that READ may still write. Surface the failure
+                    # once the last read ended (_read_result).
+                    self._held_failures[out.request_id] = out
+                    self.stats.failures_held += 1
                 else:
                     self._engine_outputs.append(out)
             if not self._drain_again:

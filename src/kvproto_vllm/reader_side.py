@@ -13,7 +13,9 @@ plumbs and keeps vLLM's reporting rules:
   so vLLM recomputes the request (policy ``recompute``) or fails it
   (``fail``); it is never decoded from unconfirmed blocks.
 * A request aborted while its read is in flight is reported only once the
-  read has ended (its verdict), so no READ can land in blocks vLLM reused.
+  read has ended (its verdict), so no READ can land in blocks vLLM reused; a
+  request that failed while its read is in flight reaches us only then too
+  (the binding holds the failure: ``Endpoint``).
 * A failure before the blocks were allocated (handshake refused, lease lost
   while queued) is remembered and reported when the ``Recv`` arrives.
 """

@@ -151,3 +151,22 @@ def test_frame_tag_routes_native_frames_and_not_text() -> None:
     assert frame_tag(b"HB:a,b") is None
     assert frame_tag(b"") is None
     assert frame_tag(b"\x8bK\x01\x00\x92\x05") == 5
+
+
+def test_failure_during_a_read_is_surfaced_only_after_the_read_ended() -> None:
+    # The engine recomputes into (or reuses) a failed request's blocks at once, so a
+    # failure must not reach it while a READ into those blocks may still write them.
+    w = World()
+    w.net.read_bandwidth = 1000.0  # 2 regions x 3 blocks x 64 B: the read lands 0.385 s on
+    assert w.p.holder is not None and w.d.reader is not None
+    ticket = w.p.holder.grant(0.0, request_id="p-1")
+    w.d.reader.track(0.0, request_id="d-1", ticket=ticket)
+    w.run(1.0)
+    go = w.d.start_read(1.0, "d-1", local_blocks=[0, 1, 2], remote_blocks=[5, 6, 7])
+    assert isinstance(go, ReadGo)
+    w.p.holder.revoke(1.0, ticket.lease)  # memory pressure on P, mid-read
+    w.run(1.3)  # the Revoke reached D (1 ms link); the read has not landed
+    assert w.d.reader.stats.lost == 1  # the reader gave the request up at the Revoke
+    assert w.failed == [] and w.d.stats.failures_held == 1
+    w.run(1.5)  # the read landed at 1.385: now the engine hears of the failure
+    assert w.failed == ["revoked"] and w.confirmed == []
