@@ -131,8 +131,6 @@ class Endpoint:
         self.reader = reader
         self.stats = BindingStats()
         self._reads: dict[ReadId, tuple[str, int]] = {}
-        self._reading: dict[str, int] = {}
-        """Request id -> its reads in flight (a transport read may still write its blocks)."""
         self._held_failures: dict[str, RequestFailed] = {}
         """Failures of requests with reads in flight, surfaced when the last read ends."""
         self._cores: tuple[Holder | Reader, ...] = tuple(
@@ -204,7 +202,6 @@ class Endpoint:
                     reader.read_failed(now, request_id, order.holder_rank)
                     continue
                 self._reads[read_id] = (request_id, order.holder_rank)
-                self._reading[request_id] = self._reading.get(request_id, 0) + 1
         self._flush(now)
         return decision
 
@@ -270,18 +267,20 @@ class Endpoint:
         if entry is None or self.reader is None:
             return
         request_id, rank = entry
-        left = self._reading.pop(request_id) - 1
-        if left:
-            self._reading[request_id] = left
         # A request finished (aborted) while its read was in flight is the reader's
         # counted no-op (stats.late_read_results), not an error.
         if ok:
             self.reader.read_completed(now, request_id, rank)
         else:
             self.reader.read_failed(now, request_id, rank)
-        held = self._held_failures.pop(request_id, None) if not left else None
-        if held is not None:
-            self._engine_outputs.append(held)
+        if request_id in self._held_failures and not self._reading(request_id):
+            self._engine_outputs.append(self._held_failures.pop(request_id))
+
+    def _reading(self, request_id: str) -> bool:
+        """Whether a transport read into ``request_id``'s blocks is still in flight."""
+        # Asked only for failed requests (rare), so a scan beats a second index kept
+        # up to date on every read.
+        return any(rid == request_id for rid, _ in self._reads.values())
 
     def _flush(self, now: float) -> None:
         """Carry out every output until the cores are quiet.
@@ -294,7 +293,7 @@ class Endpoint:
             for out in self._drain_cores():  # every core's, before any is carried out
                 if isinstance(out, SendFrame):
                     self._send(now, out)
-                elif isinstance(out, RequestFailed) and out.request_id in self._reading:
+                elif isinstance(out, RequestFailed) and self._reading(out.request_id):
                     # The reader gave the request up (its lease lost, say) while a READ
                     # into its blocks is still in flight: the engine would recompute into,
                     # or reuse, blocks that READ may still write. Surface the failure
