@@ -5,9 +5,9 @@ fields for the lease's whole life. An object per lease costs ~150 B plus a
 float object per deadline, and every such object is tracked by the cyclic GC,
 so a full collection walks them all (the pause grows with the lease count).
 Here a lease is a slot: its fields are machine values in ``array``/``bytearray``
-columns, which the collector never walks. The one per-lease list is the
-request ids' (:class:`~kvproto.holder_requests.RequestIndex`): the strings are
-the engine's own, so referencing them costs a visit per lease and no copy.
+columns, which the collector never walks, and the request ids are referenced
+from tuples the collector untracks (:class:`~kvproto.holder_requests.RequestIndex`):
+the strings are the engine's own, so referencing them costs no copy.
 What only some leases need (consumers counted, legacy dones) lives in sparse
 dicts keyed by slot; who claimed a lease is a code into
 :class:`~kvproto.holder_claimers.Claimers`, which sessions renew it is
@@ -264,7 +264,7 @@ class LeaseTable:
 
     def request_id(self, slot: int) -> str:
         """The holder's request id (``""`` when none)."""
-        return self.requests.names[slot]
+        return self.requests.name(slot)
 
     def token(self, slot: int) -> bytes:
         """The lease's token."""
