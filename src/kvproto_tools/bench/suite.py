@@ -86,7 +86,7 @@ READER_NAMES = (
     "reader.heartbeat_tick",
     "reader.heartbeat_bytes_per_request",
 )
-MEMORY_NAMES = ("memory.per_lease", "memory.gc_full_collect")
+MEMORY_NAMES = ("memory.per_lease", "memory.gc_full_collect", "memory.gc_pause_added")
 TRANSPORT_NAMES = (
     "transport.loopback.heartbeat_rtt",
     "transport.loopback.heartbeat_rtt_cores",
