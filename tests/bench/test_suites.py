@@ -9,6 +9,7 @@ the suite choice and its errors. Speed is not asserted.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,16 @@ from kvproto_tools.bench import main
 from kvproto_tools.bench.engine_suites import SuiteUnavailable, pd_cpu
 from kvproto_tools.bench.http_bench import HttpPlan, check, http_figures
 from kvproto_tools.bench.plan import QUICK
-from kvproto_tools.bench.step_bench import ANCHOR, Window, expected_step_names, step_figures
+from kvproto_tools.bench.step_bench import (
+    ANCHOR,
+    CONNECTORS,
+    STEP_FULL,
+    Window,
+    expected_step_names,
+    pooled,
+    step_figures,
+    window_order,
+)
 from kvproto_tools.bench.step_timing import TOTALS, hook_names, timed_connector_class
 from kvproto_tools.bench.suite import expected_names
 
@@ -128,6 +138,28 @@ def test_step_figures_skip_a_size_only_one_connector_reached() -> None:
     del windows[("stock", "decode", 0)]
     names = {f.name for f in step_figures(windows, (0,))}
     assert names == {n for n in expected_step_names() if n.startswith("vllm_step.prefill")}
+
+
+def test_windows_alternate_the_connectors_at_every_size() -> None:
+    order = window_order(STEP_FULL)
+    assert len(order) == len(STEP_FULL.sizes) * len(CONNECTORS) * STEP_FULL.alternations
+    firsts = []
+    for n in STEP_FULL.sizes:
+        at_n = [c for size, c in order if size == n]
+        assert all(at_n.count(c) == STEP_FULL.alternations for c in CONNECTORS)
+        # never one connector twice in a row: the other pair holds still one window at most
+        assert all(a != b for a, b in itertools.pairwise(at_n))
+        firsts.append(at_n[0])
+    assert set(firsts) == set(CONNECTORS)  # neither is always measured first
+    assert [size for size, _ in order] == sorted(size for size, _ in order)  # sizes only grow
+
+
+def test_a_cell_pools_its_windows_and_keeps_the_fewest_requests() -> None:
+    a = Window(samples=[(1, 2, 3)], requests=100)
+    b = Window(samples=[(4, 5, 6), (7, 8, 9)], requests=99)
+    cell = pooled([a, b])
+    assert list(cell.samples) == [(1, 2, 3), (4, 5, 6), (7, 8, 9)]
+    assert cell.requests == 99  # a lease lost in one window shows in the figure
 
 
 def _http_result(variant: str, r: int, ttft: float) -> dict[str, Any]:

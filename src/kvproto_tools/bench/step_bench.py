@@ -1,15 +1,22 @@
 """``--suite vllm-step``: what the KV connector adds to each step of a real vLLM engine.
 
-Per connector (kvproto, then stock NixlConnector, same run), one P/D pair of
-real vLLM CPU engines on the tiny Llama (:mod:`.step_engine`), both stepping
-all along with a background decode. At each size N, P has prefilled N
-requests for D and holds their blocks, and D has the N requests queued
-(tracked by its connector, heartbeating P's leases, never scheduled). For a
-window of wall time every engine step is sampled: the time spent in the
-connector's scheduler-side and worker-side hooks (:mod:`.step_timing`) and
-the whole step. Sizes grow in one engine pair (0, then 100 more, then 900
-more), so the state at N is real: P's held and D's queued counts are figures
-too, read from the schedulers.
+Per connector (kvproto and stock NixlConnector, same run), one P/D pair of
+real vLLM CPU engines on the tiny Llama (:mod:`.step_engine`), each stepping
+with a background decode. At each size N, P has prefilled N requests for D
+and holds their blocks, and D has the N requests queued (tracked by its
+connector, heartbeating P's leases, never scheduled). For a window of wall
+time every engine step is sampled: the time spent in the connector's
+scheduler-side and worker-side hooks (:mod:`.step_timing`) and the whole
+step. Sizes grow in each engine pair (0, then 100 more, then 900 more), so
+the state at N is real: P's held and D's queued counts are figures too, read
+from the schedulers.
+
+Both pairs are alive all along (four engines, ~1.7 GB each) and measured in
+alternation (:func:`window_order`), so what else loads the machine -- other
+work, and stock's NIXL progress threads, which run even while their engine
+holds still -- falls on both columns alike. Only the measured pair steps; the
+other holds still, so the stepping load is one pair's, as in vLLM's busy loop
+on these cores. Each cell pools its windows' steps.
 
 Both connectors run with the timing wrapper, so its ~0.2 us per hook call is
 in both columns alike.
@@ -49,15 +56,21 @@ class StepPlan:
     sizes: tuple[int, ...]
     """Requests held on P and tracked on D, ascending (each size adds to the last)."""
     window_s: float
-    """Wall time sampled at each size (covers heartbeat rounds: stock sends every 5 s)."""
+    """Wall time sampled per window (one connector, one size, one alternation); the
+    alternations of a cell together cover heartbeat rounds (stock sends every 5 s)."""
     settle_s: float
-    """Wait after D enqueues, before the window (first heartbeats, handshakes)."""
+    """Wait after both pairs got a size's requests, before its first window (first
+    heartbeats, handshakes)."""
+    alternations: int = 2
+    """Windows per connector and size, interleaved with the other connector's."""
+    resume_s: float = 1.0
+    """Steps of a pair that held still, before its window (its late heartbeats go out)."""
     lease_s: int = 30
     """``kv_lease_duration`` of both connectors (vLLM's default)."""
 
 
-STEP_FULL = StepPlan(sizes=(0, 100, 1_000), window_s=12.0, settle_s=3.0)
-STEP_QUICK = StepPlan(sizes=(0, 100, 1_000), window_s=4.0, settle_s=1.0)
+STEP_FULL = StepPlan(sizes=(0, 100, 1_000), window_s=6.0, settle_s=3.0)
+STEP_QUICK = StepPlan(sizes=(0, 100, 1_000), window_s=2.0, settle_s=1.0, resume_s=0.5)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -171,42 +184,105 @@ def _engine_args(
     return args(prefill, False), args(decode, True)
 
 
-def _run_connector(
-    connector: str, model: Path, plan: StepPlan, prompt: Callable[[int], str], say: Say
-) -> dict[tuple[str, str, int], Window]:
-    cluster = pd_cpu("cluster")
-    p_args, d_args = _engine_args(cluster, model, connector, plan)
-    p, d = EngineChild(f"{connector}-P", p_args), EngineChild(f"{connector}-D", d_args)
-    out: dict[tuple[str, str, int], Window] = {}
-    try:
-        start = time.monotonic()
-        p.call("start")
-        d.call("start")
-        say(f"vllm-step: {connector} engines up in {time.monotonic() - start:.0f} s")
-        have = 0
-        for n in plan.sizes:
-            ids = [f"{connector}-{i}" for i in range(have, n)]
-            if ids:
-                prompts = [prompt(i) for i in range(have, n)]
-                params = p.call("prefill", request_ids=ids, prompts=prompts)
-                d.call("park", request_ids=ids, prompts=prompts, params=params)
-                have = n
+def window_order(plan: StepPlan) -> list[tuple[int, str]]:
+    """(size, connector) of every window, in the order they are measured.
+
+    At each size the connectors alternate (kvproto, stock, kvproto, stock, ...:
+    ``plan.alternations`` windows each), so a load that comes and goes on the
+    machine falls on both columns alike; the size after starts with the other
+    connector, so neither is always measured first. Never two windows of one
+    connector in a row (ABBA): a pair holds still while the other is measured,
+    and two windows of stillness (~15 s) would near the 20 s a heartbeat
+    extends a 30 s lease by."""
+    order = []
+    for i, n in enumerate(plan.sizes):
+        first = CONNECTORS if i % 2 == 0 else CONNECTORS[::-1]
+        order += [(n, c) for _ in range(plan.alternations) for c in first]
+    return order
+
+
+def pooled(windows: Sequence[Window]) -> Window:
+    """One cell from its alternations: every window's steps, and the fewest requests any
+    window closed with (a lease lost in one window shows)."""
+    return Window(
+        samples=[s for w in windows for s in w.samples],
+        requests=min(w.requests for w in windows),
+    )
+
+
+class _Pair:
+    """One connector's P and D engine children."""
+
+    def __init__(self, connector: str, model: Path, plan: StepPlan) -> None:
+        p_args, d_args = _engine_args(pd_cpu("cluster"), model, connector, plan)
+        self.connector = connector
+        self.p = EngineChild(f"{connector}-P", p_args)
+        self.d = EngineChild(f"{connector}-D", d_args)
+        self.have = 0
+        """Requests P holds and D has queued (the sizes so far)."""
+
+    def start(self) -> None:
+        self.p.call("start")
+        self.d.call("start")
+
+    def grow(self, n: int, prompt: Callable[[int], str]) -> None:
+        """Prefill on P and queue on D the requests from the last size up to ``n``."""
+        ids = [f"{self.connector}-{i}" for i in range(self.have, n)]
+        if ids:
+            prompts = [prompt(i) for i in range(self.have, n)]
+            params = self.p.call("prefill", request_ids=ids, prompts=prompts)
+            self.d.call("park", request_ids=ids, prompts=prompts, params=params)
+        self.have = n
+
+    def pause(self) -> None:
+        self.d.call("pause")  # the reader first: it would heartbeat a still P
+        self.p.call("pause")
+
+    def resume(self) -> None:
+        self.p.call("resume")  # the holder first: it answers the reader's late heartbeats
+        self.d.call("resume")
+
+    def take(self) -> None:
+        """Discard the samples so far (the window starts now)."""
+        self.p.call("take")
+        self.d.call("take")
+
+    def stop(self) -> None:
+        self.d.stop()  # the reader first: its heartbeats would only fail against a stopped P
+        self.p.stop()
+
+
+def _measure_pairs(
+    pairs: Mapping[str, _Pair], plan: StepPlan, prompt: Callable[[int], str], say: Say
+) -> dict[tuple[str, str, int], list[Window]]:
+    out: dict[tuple[str, str, int], list[Window]] = {}
+    size = None
+    for n, connector in window_order(plan):
+        if n != size:
+            size = n
+            for pair in pairs.values():  # both step while requests are added and settle
+                pair.resume()
+                pair.grow(n, prompt)
             time.sleep(plan.settle_s)
-            p.call("take")
-            d.call("take")
-            time.sleep(plan.window_s)
-            for role, engine in (("prefill", p), ("decode", d)):
-                got = engine.call("take")
-                state = engine.call("state")
-                count = state["held"] if role == "prefill" else state["waiting"]
-                out[(connector, role, n)] = Window(samples=got["samples"], requests=count)
-                say(
-                    f"vllm-step: {connector:>7} {role:>7} N={n:<5,} {len(got['samples']):>4} "
-                    f"steps, {state}; median per step: {_top_hooks(got['hook_median_ns'])}"
-                )
-    finally:
-        d.stop()  # the reader first: its heartbeats would only fail against a stopped P
-        p.stop()
+        pair = pairs[connector]
+        for other in pairs.values():
+            if other is not pair:
+                other.pause()
+        pair.resume()
+        time.sleep(plan.resume_s)
+        pair.take()
+        time.sleep(plan.window_s)
+        for role, engine in (("prefill", pair.p), ("decode", pair.d)):
+            got = engine.call("take")
+            state = engine.call("state")
+            count = state["held"] if role == "prefill" else state["waiting"]
+            window = Window(samples=got["samples"], requests=count)
+            out.setdefault((connector, role, n), []).append(window)
+            say(
+                f"vllm-step: {connector:>7} {role:>7} N={n:<5,} {len(window.samples):>4} steps, "
+                f"median {_us([s[0] + s[1] for s in window.samples], 0.5):.0f} us, {state}; "
+                f"median per step: {_top_hooks(got['hook_median_ns'])}"
+            )
     return out
 
 
@@ -218,7 +294,8 @@ def _top_hooks(median_ns: Mapping[str, float]) -> str:
 
 
 def measure(plan: StepPlan, say: Say) -> list[Figure]:
-    """Both connectors' windows, then the figures (kvproto beside stock)."""
+    """Both connectors' windows, interleaved (:func:`window_order`), then the figures
+    (kvproto beside stock, each cell pooled from its alternations)."""
     tiny = pd_cpu("tiny_model")
     with tempfile.TemporaryDirectory(prefix="kvproto-vllm-step-") as tmp:
         model = tiny.build_tiny_llama(Path(tmp) / "model")
@@ -226,7 +303,17 @@ def measure(plan: StepPlan, say: Say) -> list[Figure]:
         def prompt(i: int) -> str:
             return f"step {i}: " + str(tiny.make_prompt(PROMPT_SENTENCES))
 
-        windows: dict[tuple[str, str, int], Window] = {}
-        for connector in CONNECTORS:
-            windows.update(_run_connector(connector, model, plan, prompt, say))
-    return step_figures(windows, plan.sizes)
+        pairs: dict[str, _Pair] = {}
+        try:
+            start = time.monotonic()
+            for connector in CONNECTORS:  # all four children load at once
+                pairs[connector] = _Pair(connector, model, plan)
+            for pair in pairs.values():
+                pair.start()
+            say(f"vllm-step: both engine pairs up in {time.monotonic() - start:.0f} s")
+            windows = _measure_pairs(pairs, plan, prompt, say)
+        finally:
+            for pair in pairs.values():
+                pair.stop()
+    cells = {key: pooled(ws) for key, ws in windows.items()}
+    return step_figures(cells, plan.sizes)

@@ -8,11 +8,13 @@ so its scheduler, worker and both connector halves share the child's
 
 Between commands the child keeps stepping, as ``EngineCore.run_busy_loop``
 does while it has requests, with a short pause so two engines share two
-cores. A *background* request (a local decode, no KV transfer) always runs,
-replaced as soon as it finishes, so the engine steps at every size, with a
-forward pass, like an engine under load. On D (``park=True``: priority
-scheduling and ``max_num_seqs=1``) it also keeps the remote-prefill requests
-queued behind it: tracked by the connector, never scheduled.
+cores, unless told to hold still (``pause`` until ``resume``: the suite keeps
+two engine pairs alive and steps only the pair it measures). A *background*
+request (a local decode, no KV transfer) always runs, replaced as soon as it
+finishes, so the engine steps at every size, with a forward pass, like an
+engine under load. On D (``park=True``: priority scheduling and
+``max_num_seqs=1``) it also keeps the remote-prefill requests queued behind
+it: tracked by the connector, never scheduled.
 
 Every step is one sample: connector nanoseconds on the scheduler side and on
 the worker side (read from the timed connector, :mod:`.step_timing`) and the
@@ -90,6 +92,8 @@ class _Engine:
         self.hook_ns: dict[str, list[int]] = {}
         """"side.hook" -> its ns in each step since the last take that called it."""
         self.finished: dict[str, Any] = {}
+        self.stepping = True
+        """Whether the child steps between commands (False from ``pause`` to ``resume``)."""
         self.background = 0
         self._add_background()
 
@@ -156,6 +160,14 @@ class _Engine:
         self.hook_ns = {}
         return {"samples": samples, "hook_median_ns": hooks}
 
+    def cmd_pause(self) -> None:
+        """Stop stepping until ``resume``: the connector sees no hook meanwhile."""
+        self.stepping = False
+
+    def cmd_resume(self) -> None:
+        """Step between commands again."""
+        self.stepping = True
+
     def cmd_state(self) -> dict[str, int]:
         """Requests running, queued, and finished but held for a reader (P's leases)."""
         running, waiting = self.scheduler.get_request_counts()
@@ -173,7 +185,7 @@ def _child(conn: Any, args: EngineArgs) -> None:
         return
     while True:
         try:
-            if not conn.poll(PAUSE_S):
+            if not conn.poll(PAUSE_S if engine.stepping else None):
                 engine.step()
                 continue
             name, kwargs = conn.recv()
