@@ -53,7 +53,7 @@ from kvproto.reader_requests import (
     in_sync_bound,
     renewable,
 )
-from kvproto.reader_session import ReaderSide, Session
+from kvproto.reader_session import NEED_KEEPS_STATE, ReaderSide, Session
 from kvproto.reader_sessions import HolderSessions
 from kvproto.states import (
     DoneAckAction,
@@ -149,24 +149,30 @@ class Reader:
         is tracked already is misuse: :class:`LocalProtocolError`.
         """
         self._wake = _UNKNOWN
-        if request_id in self._requests:
+        requests = self._requests
+        if request_id in requests:
             raise LocalProtocolError(f"request {request_id!r} is already tracked")
         self.stats.tracked += 1
         holders = self._holders
+        sessions: tuple[Session, ...] = ()
         # First: the ticket bounds holder_tp_size before it picks the sessions.
-        sessions = holders.route(ticket) if ticket_problem(ticket) is None else ()
+        if ticket_problem(ticket) is None:
+            route = holders.routes.get((ticket.holder_engine, ticket.holder_tp_size))
+            sessions = holders.route(ticket) if route is None else route
         proof = claim_proof(ticket.token, self.engine, ticket.lease) if sessions else b""
         parts = {}
         for session in sessions:
             parts[session.rank] = Part(session.rank)
-        req = Request(request_id, ticket, proof, now, parts)
-        self._requests[request_id] = req
+        req = requests[request_id] = Request(request_id, ticket, proof, now, parts)
         if not sessions:
             self._fail(now, req, FailReason.BAD_TICKET)
             return
         restarted = []
         for session in sessions:
-            if session.incarnation is not None and session.incarnation != ticket.holder_incarnation:
+            incarnation = session.incarnation
+            if incarnation is None:
+                continue  # not welcomed yet: nothing to check against (no clock sample either)
+            if incarnation != ticket.holder_incarnation:
                 if ticket.holder_incarnation in session.stale_incarnations:
                     self._fail(now, req, FailReason.HOLDER_RESTARTED)
                     return
@@ -181,11 +187,17 @@ class Reader:
             session.parked.append(request_id)
             if session.state is _OPEN:
                 holders.rehello(now, session)
+        # What _attach does, flattened: this is the path every request takes. The
+        # route's sessions are all of the ticket's engine: one index entry serves them.
+        lease = ticket.lease
+        if len(restarted) < len(sessions):
+            self._by_lease[(ticket.holder_engine, lease)] = request_id
         for session in sessions:
-            holders.need(session)
+            if session.state not in NEED_KEEPS_STATE:
+                holders.need(session)
             if restarted and session in restarted:
                 continue
-            self._attach(session, req)
+            session.beats.hold(lease, request_id, proof)
             if session.state is _OPEN:
                 # The claim leaves at the binding's next pump, not at the next tick:
                 # until the holder has it the lease is not tied to this reader, so the

@@ -26,7 +26,7 @@ from kvproto.beats import Beats
 from kvproto.clock import SkewEstimator, SkewSample
 from kvproto.config import LeaseConfig, LeaseParams
 from kvproto.events import FailReason
-from kvproto.states import SessionInput, SessionState, session_next
+from kvproto.states import SESSION_TRANSITIONS, SessionInput, SessionState, session_next
 from kvproto.ticket import LeaseTicket
 from kvproto.transport import PeerId
 
@@ -36,6 +36,14 @@ _IDLE = SessionState.IDLE
 _OPEN = SessionState.OPEN
 _ON_NEED = SessionInput.NEED  # read on every track: a global, not an Enum descriptor
 _STALE_KEEP = 16
+NEED_KEEPS_STATE = frozenset(
+    state
+    for (state, event), after in SESSION_TRANSITIONS.items()
+    if event is _ON_NEED and after is state
+)
+"""The states whose NEED row leaves them as they are, read off the table at import:
+every track needs its sessions, and in these states :meth:`Session.need` would
+change nothing and ask for no connection, so the reader skips the call."""
 _T = TypeVar("_T")
 
 

@@ -74,9 +74,10 @@ class HolderSessions:
         self.timers = SessionTimers()
         self.out: list[ReaderOutput] = []
         """The reader's output list: the reader points this at its new one on each drain."""
-        self._routes: dict[tuple[str, int], tuple[Session, ...]] = {}
+        self.routes: dict[tuple[str, int], tuple[Session, ...]] = {}
         """(holder engine, holder TP size) → the sessions a ticket of it is tracked on, in
-        holder rank order (empty: the TP sizes do not divide)."""
+        holder rank order (empty: the TP sizes do not divide); filled by :meth:`route`,
+        read directly by the reader's track, which looks it up before calling it."""
 
     # ------------------------------------------------------------ table
 
@@ -84,13 +85,13 @@ class HolderSessions:
         """The sessions ``ticket``'s request is tracked on (cached); () if the TP sizes do
         not divide."""
         key = (ticket.holder_engine, ticket.holder_tp_size)
-        route = self._routes.get(key)
+        route = self.routes.get(key)
         if route is None:
             side = self._side
             ranks = holder_ranks(side.rank, side.tp_size, ticket.holder_tp_size)
             route = tuple(self._session(ticket.holder_engine, r) for r in ranks)
-            if len(self._routes) < _ROUTES_KEEP:  # tickets are peer data: bound the cache
-                self._routes[key] = route
+            if len(self.routes) < _ROUTES_KEEP:  # tickets are peer data: bound the cache
+                self.routes[key] = route
         return route
 
     def _session(self, engine: str, rank: int) -> Session:
