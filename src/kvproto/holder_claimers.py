@@ -48,6 +48,10 @@ class Claimers:
         self._refs[code] += 1
         return code
 
+    def retain(self, code: int, times: int) -> None:
+        """``times`` more leases name ``code`` (which :meth:`acquire` gave and is in use)."""
+        self._refs[code] += times
+
     def release(self, code: int) -> None:
         """One lease no longer names ``code`` (:data:`UNCLAIMED` is not counted)."""
         if code == UNCLAIMED:
