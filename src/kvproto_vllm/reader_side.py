@@ -234,6 +234,8 @@ class ReaderSide:
 
         A deferred read stays planned and is tried again at every later pump."""
         assert self.endpoint is not None
+        if not self._reads:
+            return False  # most pumps: nothing planned, no list to build
         started = False
         for rid, read in list(self._reads.items()):
             if read.started:
@@ -317,3 +319,14 @@ class ReaderSide:
     def pending(self) -> int:
         """Planned reads without a verdict yet."""
         return len(self._reads)
+
+    def idle(self) -> bool:
+        """Nothing to pump for: no planned read, no handshake that can have a result,
+        no tracked request and no timer of the reader (a done to re-send, say)."""
+        return (
+            not self._reads
+            and not self._handshakes
+            and not self._refusal_queued
+            and self.reader.tracked() == 0
+            and self.reader.get_timer() is None
+        )

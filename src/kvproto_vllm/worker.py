@@ -249,28 +249,40 @@ class WorkerSide:
     def start_load_kv(self, meta: KvprotoMetadata | None) -> None:
         if self.transport is None or self._closed:
             return
-        self._enter()
+        if threading.get_ident() != self._thread:
+            self._enter()
         now = time.monotonic()
-        if meta is not None:
-            if meta.grants or meta.tracks or meta.recvs or meta.finishes:
-                self._active = True
-            if self.holder_side is not None and meta.incarnation is not None:
-                self.holder_side.ensure(meta.incarnation)
-                if self.endpoint is None:
-                    self._make_endpoint()
-                self.holder_side.adopt(now, meta.grants)
-            elif meta.grants and self.holder_side is not None:
-                self.holder_side.adopt(now, meta.grants)  # refused: freed at once
-            if self.reader_side is not None:
-                self.reader_side.apply(now, meta.tracks, meta.recvs, meta.finishes)
+        if meta is not None and (meta.grants or meta.tracks or meta.recvs or meta.finishes):
+            self._active = True
+            self._apply(now, meta)
+            self._pump(now)  # always: orders may have queued frames (a finish's abort)
+            return
+        if meta is not None and self.endpoint is None and meta.incarnation is not None:
+            self._apply(now, meta)  # the first step: the holder and the endpoint
+        if self._idle():
+            self._last_pump = now  # nothing was due: no heartbeat lag to bound
+            return
         self._pump(now)
+
+    def _apply(self, now: float, meta: KvprotoMetadata) -> None:
+        """The scheduler's orders of this step (most steps have none and skip this)."""
+        if self.holder_side is not None and meta.incarnation is not None:
+            self.holder_side.ensure(meta.incarnation)
+            if self.endpoint is None:
+                self._make_endpoint()
+            self.holder_side.adopt(now, meta.grants)
+        elif meta.grants and self.holder_side is not None:
+            self.holder_side.adopt(now, meta.grants)  # refused: freed at once
+        if self.reader_side is not None:
+            self.reader_side.apply(now, meta.tracks, meta.recvs, meta.finishes)
 
     def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) for this step."""
         if self.transport is None or self._closed:
             return set(), set(), set()
         if self._transfers_pending():
-            self._enter()
+            if threading.get_ident() != self._thread:
+                self._enter()
             self._pump(time.monotonic())
         sending = self.holder_side.take_sending() if self.holder_side is not None else set()
         recving, failed = (
@@ -295,12 +307,12 @@ class WorkerSide:
         )
 
     def _enter(self) -> None:
-        # vLLM may move the worker to another thread; the transport's hook (NIXL's
-        # owner-thread rule) runs only when it did, not at every hook.
-        ident = threading.get_ident()
-        if ident != self._thread:
-            self._enter_thread()
-            self._thread = ident
+        """Run the transport's thread hook (NIXL's owner-thread rule) for this thread.
+
+        vLLM may move the worker to another thread; the hooks call this only when it
+        did (their own ``get_ident`` check), not at every step."""
+        self._enter_thread()
+        self._thread = threading.get_ident()
 
     def take_bad_blocks(self) -> set[int]:
         return self.reader_side.take_bad_blocks() if self.reader_side is not None else set()
@@ -309,8 +321,8 @@ class WorkerSide:
         assert self.transport is not None
         # Heartbeats, acks and done verdicts move only here: the longest gap between
         # pumps bounds how late a due heartbeat can leave (the lag vLLM's step adds).
-        if self._last_pump is not None:
-            self._max_gap = max(self._max_gap, now - self._last_pump)
+        if self._last_pump is not None and now - self._last_pump > self._max_gap:
+            self._max_gap = now - self._last_pump
         self._last_pump = now
         if self.server is not None:
             for intro in self.server.poll_introductions():
@@ -329,11 +341,27 @@ class WorkerSide:
             self._active = True
             self._step(now)  # declined reads and notify-only completions, this step
 
+    def _idle(self) -> bool:
+        """Whether start_load_kv's pump can have no work: the holder holds no lease and
+        waits for no timer (open sessions and tombstones set one), and the reader is
+        idle too (:meth:`ReaderSide.idle`).
+
+        Then no peer has anything this engine must answer before its next order (the
+        grant or track that ends the idleness pumps in its own step; frames wait in
+        NIXL's queue, introductions in the side-channel server), so the step skips the
+        transport's cold poll (~20-50 us inside vLLM), the side channel's lock and the
+        cores' timers -- as vLLM's own loop, with no request, skips the step."""
+        holder = self.holder_side.holder if self.holder_side is not None else None
+        if holder is not None and (holder.live_leases() or holder.get_timer() is not None):
+            return False
+        return self.reader_side is None or self.reader_side.idle()
+
     def _step(self, now: float) -> None:
         assert self.endpoint is not None
         result = self.endpoint.step(now)
-        if result.freed or result.failed or result.confirmed or result.connects:
-            self._active = True
+        if not (result.freed or result.failed or result.confirmed or result.connects):
+            return  # most steps: nothing for either side
+        self._active = True
         if self.holder_side is not None:
             self.holder_side.on_freed(result.freed)
         if self.reader_side is not None:
@@ -395,7 +423,8 @@ class WorkerSide:
             self.reader_side.client.close()
         if self.transport is not None:
             try:
-                self._enter()
+                if threading.get_ident() != self._thread:
+                    self._enter()
                 self.transport.close()
             except TransportError as exc:
                 log.warning("closing the %s transport: %s", self.transport.name, exc)

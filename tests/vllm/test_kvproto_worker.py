@@ -270,6 +270,47 @@ def test_stats_are_read_after_a_change_or_the_interval(pair: Any) -> None:
     assert d.stats_due()
 
 
+def test_idle_engines_skip_the_pump_and_wake_on_their_first_order(pair: Any) -> None:
+    """Engines with no remote request skip the pump; the orders that end the idleness
+    pump in their own step: a read completes after idle steps (the introduction waited
+    in the side channel, the Hello in NIXL), and a request aborted before its read
+    frees the holder's blocks although the reader tracks nothing after the abort."""
+    _, _, _, _, cfg = pair
+    p, _ = make_worker(cfg, "P-idle", producer=True, port=free_port())
+    d, _ = make_worker(cfg, "D-idle", producer=False, port=free_port())
+    try:
+        loop = Loop(p, d)
+        for _ in range(20):  # no lease, no session, nothing tracked: no pump
+            loop.step()
+
+        ticket = mint(p, "p-idle-1")
+        track, recv = orders("d-idle-1", ticket, p.base_port, [3, 4], [5, 6])
+        loop.step(
+            KvprotoMetadata(
+                incarnation=INCARNATION, grants=[Grant(request_id="p-idle-1", ticket=ticket)]
+            ),
+            KvprotoMetadata(tracks=[track], recvs=[recv]),
+        )
+        loop.run_until("confirmed", lambda: loop.recving and loop.sending)
+        assert loop.recving == ["d-idle-1"] and loop.sending == ["p-idle-1"] and not loop.failed
+        loop.step(d_meta=KvprotoMetadata(finishes=["d-idle-1"]))
+
+        ticket2 = mint(p, "p-idle-2")
+        track2, _ = orders("d-idle-2", ticket2, p.base_port, [7], [8])
+        loop.step(
+            KvprotoMetadata(
+                incarnation=INCARNATION, grants=[Grant(request_id="p-idle-2", ticket=ticket2)]
+            ),
+            KvprotoMetadata(tracks=[track2]),
+        )
+        loop.step(d_meta=KvprotoMetadata(finishes=["d-idle-2"]))  # aborted before its read
+        loop.run_until("freed", lambda: "p-idle-2" in loop.sending)
+        assert ("freed", "p-idle-2", "ABORTED") in [e[1:] for e in p.events]
+    finally:
+        d.shutdown()
+        p.shutdown()
+
+
 class Ranks:
     """Several worker ranks of a P and a D engine, stepped together."""
 
