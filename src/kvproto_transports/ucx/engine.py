@@ -56,7 +56,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvproto.transport import PeerId, PeerLost, ReadCompleted, ReadFailed, Received
@@ -75,6 +75,7 @@ from .shared import (
     Send,
     Shared,
     Stop,
+    UcxStats,
 )
 from .wire import FrameKind, decode_hello, hello_body, make_tag, split_tag
 
@@ -177,8 +178,11 @@ class Engine:
         self._any_tag: Any = None
         self._no_mask: Any = None
         self._conns: dict[PeerId, _Conn] = {}
-        self._tags = {kind: make_tag(kind, config.sender_key) for kind in FrameKind}
-        """Each kind's message tag from this endpoint, computed once rather than per frame."""
+        self._stats = shared.stats
+        """The counters: written only here, under the mutex (see :meth:`stats`)."""
+        self._tags: dict[FrameKind, Any] = {}
+        """Each kind's ucxx message tag from this endpoint, made once (in ``_setup``)
+        rather than per frame."""
         self._next_key = 1
         self._closed_keys: list[int] = []
         self._senders: dict[int, PeerId] = {}
@@ -219,15 +223,24 @@ class Engine:
         self._commands.append(command)
         self.drive(whole_step=False)
 
-    def drive(self, *, whole_step: bool) -> None:
-        """Run the queued commands, and with ``whole_step`` a whole step, on this thread (any).
+    def send(self, peer: PeerId, payload: bytes) -> None:
+        """A notification counted against the send budget: sent as :meth:`submit` would
+        carry out a ``Send`` command (any thread), without making one unless it must wait."""
+        self.drive(whole_step=False, send=(peer, payload))
+
+    def drive(self, *, whole_step: bool, send: tuple[PeerId, bytes] | None = None) -> None:
+        """Run the queued commands, then ``send`` (peer, payload) if given, or with
+        ``whole_step`` a whole step, on this thread (any).
 
         Never waits: a busy mutex means another thread is in the engine, and
-        the engine thread looks at the command queue again before it sleeps.
+        the engine thread looks at the command queue again before it sleeps
+        (``send`` joins the queue then).
         ``poll`` passes ``whole_step=True`` (it takes the events itself, so no
         wakeup); the commands alone call :attr:`wakeup` if events wait.
         """
-        if not self._mutex.acquire(blocking=False):
+        if not self._mutex.acquire(False):
+            if send is not None:
+                self._commands.append(Send(peer=send[0], payload=send[1]))
             # Another API thread may be past its command loop: wake a sleeping
             # engine so that nothing queued waits for idle_wait_ms.
             if self._sleeping:
@@ -238,10 +251,12 @@ class Engine:
                 return
             try:
                 if whole_step:
-                    self._step(notify=False)
-                    self._caller_step_at = time.monotonic()
+                    self._caller_step_at = self._step(notify=False)
                 else:
-                    self._run_commands()
+                    if self._commands:
+                        self._run_commands()
+                    if send is not None:
+                        self._send(*send)
                     self._notify()
             except Exception as exc:
                 self._crash(exc)
@@ -250,6 +265,11 @@ class Engine:
             self._mutex.release()
         if stopping:
             self._signal()  # the engine thread tears down, on its own thread
+
+    def stats(self) -> UcxStats:
+        """A copy of the counters, taken between two steps (waits for one in progress)."""
+        with self._mutex:
+            return replace(self._stats)
 
     def stop(self, timeout_s: float) -> bool:
         """Ask the engine to tear down and wait; False if the thread did not end in time."""
@@ -304,6 +324,7 @@ class Engine:
         self._worker.init_blocking_progress_mode()
         self._any_tag = api.UCXXTag(0)
         self._no_mask = api.UCXXTagMask(0)
+        self._tags = {k: api.UCXXTag(make_tag(k, self._cfg.sender_key)) for k in FrameKind}
         with self._signal_lock:
             self._worker_handle = int(self._worker.handle)
         return bytes(self._worker.address.tobytes())
@@ -348,23 +369,27 @@ class Engine:
         while self._commands:
             self._run(self._commands.popleft())
 
-    def _step(self, *, notify: bool) -> None:
-        self._run_commands()
+    def _step(self, *, notify: bool) -> float:
+        """One step; returns the monotonic time it used as "now"."""
+        if self._commands:
+            self._run_commands()
+        now = time.monotonic()
         if self._stopping:
-            return
+            return now
         # Drain what UCX has before the Python-level bookkeeping: a read over
         # TCP arrives as many fragments, and one loop iteration per fragment
         # cost several times the transfer itself (measured).
+        progress_once = self._worker.progress_once
         for _ in range(PROGRESS_BURST):
-            if not self._worker.progress_once():
+            if not progress_once():
                 break
         self._receive()
-        now = time.monotonic()
+        # Every step of a polling caller comes here: skip what has nothing to do.
         for conn in list(self._conns.values()):
-            self._reap_sends(conn, now)
+            if conn.sends:
+                self._reap_sends(conn, now)
         while self._orphans and self._orphans[0][0].completed:
             self._orphans.popleft()
-        # Every step of a polling caller comes here: skip what has nothing to do.
         if self._handshaking:
             self._advance_connects(now)
         if self._reads:
@@ -375,6 +400,7 @@ class Engine:
             self._handle_closed()
         if notify:
             self._notify()
+        return now
 
     def _notify(self) -> None:
         # Once per step while events are unpolled: a coalescing waker (asyncio's
@@ -497,7 +523,7 @@ class Engine:
         # ucxx wants a writable buffer for an empty message; a bytes object otherwise.
         buf = self._array(body if body else bytearray(0))
         try:
-            req = conn.ep.tag_send(buf, self._api.UCXXTag(self._tags[kind]))
+            req = conn.ep.tag_send(buf, self._tags[kind])
         except Exception as exc:
             if counted:
                 self._shared.release_send_slot()
@@ -506,8 +532,7 @@ class Engine:
         conn.last_send = time.monotonic()
         conn.sends.append((req, buf, counted, conn.last_send))
         if kind is _NOTIFY:
-            with self._shared.lock:
-                self._shared.stats.notifications_sent += 1
+            self._stats.notifications_sent += 1
 
     def _reap_sends(self, conn: _Conn, now: float) -> None:
         while conn.sends and conn.sends[0][0].completed:
@@ -517,8 +542,7 @@ class Engine:
             try:
                 req.check_error()
             except Exception as exc:
-                with self._shared.lock:
-                    self._shared.stats.send_failures += 1
+                self._stats.send_failures += 1
                 self._lose(conn, f"send failed: {type(exc).__name__}: {exc}")
                 return
         if conn.sends and now - conn.sends[0][3] > STALL_S:
@@ -530,16 +554,17 @@ class Engine:
 
     def _receive(self) -> None:
         """Take every arrived message off the worker; deliver completed ones in order."""
-        worker = self._worker
+        worker, rx = self._worker, self._rx
+        any_tag, no_mask = self._any_tag, self._no_mask
         while True:
-            probe = worker.tag_probe(self._any_tag, self._no_mask, remove=True)
+            probe = worker.tag_probe(any_tag, no_mask, remove=True)
             if not probe.matched:
                 break
             buf = bytearray(probe.length)
             req = worker.tag_recv_with_handle(self._array(buf), probe)
-            self._rx.append((req, int(probe.sender_tag.value), buf))
-        while self._rx and self._rx[0][0].completed:
-            req, tag, buf = self._rx.popleft()
+            rx.append((req, probe.sender_tag.value, buf))
+        while rx and rx[0][0].completed:
+            req, tag, buf = rx.popleft()
             try:
                 req.check_error()
             except Exception as exc:
@@ -549,24 +574,24 @@ class Engine:
 
     def _on_frame(self, tag: int, body: bytearray) -> None:
         kind, key = split_tag(tag)
-        if kind == _NOTIFY and key in self._senders:
-            with self._shared.lock:
-                self._shared.stats.notifications_received += 1
-            self._shared.events.append(Received(peer=self._senders[key], payload=bytes(body)))
-        elif kind == FrameKind.PROBE:
+        if kind == _NOTIFY:
+            peer = self._senders.get(key)
+            if peer is not None:
+                self._stats.notifications_received += 1
+                self._shared.events.append(Received(peer=peer, payload=bytes(body)))
+                return
+        if kind == FrameKind.PROBE:
             return
-        elif kind == FrameKind.HELLO:
+        if kind == FrameKind.HELLO:
             hello = decode_hello(bytes(body))
-            with self._shared.lock:
-                if hello is None or hello.target != self._cfg.local_peer:
-                    # Meant for another incarnation (or garbage): its sender stays unknown.
-                    self._shared.stats.hellos_refused += 1
-                    return
-                self._shared.stats.hellos_received += 1
+            if hello is None or hello.target != self._cfg.local_peer:
+                # Meant for another incarnation (or garbage): its sender stays unknown.
+                self._stats.hellos_refused += 1
+                return
+            self._stats.hellos_received += 1
             self._senders[key] = hello.sender
-        else:
-            with self._shared.lock:
-                self._shared.stats.frames_dropped += 1
+            return
+        self._stats.frames_dropped += 1
 
     # --- connections and failures -------------------------------------------------
 
@@ -654,8 +679,7 @@ class Engine:
             return
         self._reported.add(peer)
         self._shared.mark_lost(peer, reason)
-        with self._shared.lock:
-            self._shared.stats.peers_lost += 1
+        self._stats.peers_lost += 1
         self._shared.events.append(PeerLost(peer=peer, reason=reason))
 
     def _drop_conn(self, conn: _Conn, reason: str) -> None:
@@ -698,8 +722,7 @@ class Engine:
     # --- reads ---------------------------------------------------------------------
 
     def _start_read(self, op: ReadOp) -> None:
-        with self._shared.lock:
-            self._shared.stats.reads_started += 1
+        self._stats.reads_started += 1
         conn = self._conns.get(op.peer)
         if conn is None:
             self._finish_read(op, failed=f"peer {op.peer} is not connected")
@@ -733,10 +756,9 @@ class Engine:
                     self._fail_op(op, f"get: {self._ucp.status_text(started.status)}")
                     return
         finally:
-            # One lock round for the whole read, not one per get (512 for a scattered
-            # 64-block read of 8 regions), contended by the API thread.
-            with self._shared.lock:
-                self._shared.stats.gets_issued += issued
+            # Counted once for the whole read (a scattered 64-block read of 8
+            # regions is 512 gets), and also when one failed or raised midway.
+            self._stats.gets_issued += issued
 
     def _fail_op(self, op: ReadOp, reason: str) -> None:
         if op.failed is None:
@@ -771,14 +793,11 @@ class Engine:
             self._finish_read(op, failed=op.failed)
 
     def _finish_read(self, op: ReadOp, *, failed: str | None) -> None:
-        with self._shared.lock:
-            if failed is None:
-                self._shared.stats.reads_completed += 1
-            else:
-                self._shared.stats.reads_failed += 1
         if failed is None:
+            self._stats.reads_completed += 1
             self._shared.events.append(ReadCompleted(read_id=op.read_id))
         else:
+            self._stats.reads_failed += 1
             self._shared.events.append(ReadFailed(read_id=op.read_id, reason=failed))
 
     # --- teardown ----------------------------------------------------------------------
@@ -820,6 +839,7 @@ class Engine:
         self._worker = None
         self._ctx = None
         self._any_tag = self._no_mask = None
+        self._tags = {}
         log.debug(
             "UCX worker and context of %s destroyed in %.3f s",
             self._cfg.local_peer,

@@ -29,7 +29,7 @@ import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from kvproto.tpmath import BlockLayout, BlockSlice
 from kvproto.transport import (
@@ -57,7 +57,6 @@ from .shared import (
     ReadOp,
     Refresh,
     Register,
-    Send,
     Shared,
     UcxStats,
 )
@@ -194,8 +193,7 @@ class UcxTransport:
     @property
     def stats(self) -> UcxStats:
         """A copy of the counters."""
-        with self._shared.lock:
-            return replace(self._shared.stats)
+        return self._engine.stats()
 
     def metadata(self) -> bytes:
         """Worker address, peer id, incarnation, layout and remote keys, msgpack-encoded."""
@@ -277,7 +275,7 @@ class UcxTransport:
                 raise PeerUnreachable(f"peer {peer} is lost: {reason}")
             if not self._shared.take_send_slot():
                 raise Backpressure(f"too many notifications queued for sending (peer {peer})")
-            self._engine.submit(Send(peer=peer, payload=data))
+            self._engine.send(peer, data)
 
     def poll(self) -> Sequence[TransportEvent]:
         """What happened since the last call; never blocks.
@@ -285,8 +283,7 @@ class UcxTransport:
         Still works after the engine thread died, so that its last PeerLost
         events reach the binding; every other call then raises TransportClosed.
         """
-        with self._lock:
-            self._check(failed_ok=True)
+        self._check(failed_ok=True)  # flag reads need no lock: close() sets them once
         # Progress UCX here, on the caller's thread, rather than wait for the
         # engine thread to wake up, do it and hand the events over.
         self._engine.drive(whole_step=True)
