@@ -12,11 +12,12 @@ the state at N is real: P's held and D's queued counts are figures too, read
 from the schedulers.
 
 Both pairs are alive all along (four engines, ~1.7 GB each) and measured in
-alternation (:func:`window_order`), so what else loads the machine -- other
-work, and stock's NIXL progress threads, which run even while their engine
-holds still -- falls on both columns alike. Only the measured pair steps; the
-other holds still, so the stepping load is one pair's, as in vLLM's busy loop
-on these cores. Each cell pools its windows' steps.
+alternation (:func:`window_order`), so a load that comes and goes on the
+machine falls on both columns alike. Only the measured pair runs: the other
+is frozen once it stopped stepping (:meth:`.EngineChild.hold`), as stock's
+NIXL progress threads keep cores busy even while their engine holds still,
+which would load kvproto's windows with stock's cost. Each cell pools its
+windows' steps.
 
 Both connectors run with the timing wrapper, so its ~0.2 us per hook call is
 in both columns alike.
@@ -191,9 +192,9 @@ def window_order(plan: StepPlan) -> list[tuple[int, str]]:
     ``plan.alternations`` windows each), so a load that comes and goes on the
     machine falls on both columns alike; the size after starts with the other
     connector, so neither is always measured first. Never two windows of one
-    connector in a row (ABBA): a pair holds still while the other is measured,
-    and two windows of stillness (~15 s) would near the 20 s a heartbeat
-    extends a 30 s lease by."""
+    connector in a row (ABBA): a pair is frozen while the other is measured,
+    and two windows frozen (~15 s) would near the 20 s a heartbeat extends a
+    30 s lease by."""
     order = []
     for i, n in enumerate(plan.sizes):
         first = CONNECTORS if i % 2 == 0 else CONNECTORS[::-1]
@@ -220,6 +221,8 @@ class _Pair:
         self.d = EngineChild(f"{connector}-D", d_args)
         self.have = 0
         """Requests P holds and D has queued (the sizes so far)."""
+        self.held = False
+        """Frozen (:meth:`EngineChild.hold`) while the other pair is measured."""
 
     def start(self) -> None:
         self.p.call("start")
@@ -234,13 +237,19 @@ class _Pair:
             self.d.call("park", request_ids=ids, prompts=prompts, params=params)
         self.have = n
 
-    def pause(self) -> None:
-        self.d.call("pause")  # the reader first: it would heartbeat a still P
-        self.p.call("pause")
+    def hold(self) -> None:
+        """Freeze both engines (the other pair is measured); a no-op if frozen."""
+        if not self.held:
+            self.d.hold()  # the reader first: it would heartbeat a frozen P
+            self.p.hold()
+            self.held = True
 
-    def resume(self) -> None:
-        self.p.call("resume")  # the holder first: it answers the reader's late heartbeats
-        self.d.call("resume")
+    def release(self) -> None:
+        """Thaw both engines; a no-op if running."""
+        if self.held:
+            self.p.release()  # the holder first: it answers the reader's late heartbeats
+            self.d.release()
+            self.held = False
 
     def take(self) -> None:
         """Discard the samples so far (the window starts now)."""
@@ -261,14 +270,14 @@ def _measure_pairs(
         if n != size:
             size = n
             for pair in pairs.values():  # both step while requests are added and settle
-                pair.resume()
+                pair.release()
                 pair.grow(n, prompt)
             time.sleep(plan.settle_s)
         pair = pairs[connector]
         for other in pairs.values():
             if other is not pair:
-                other.pause()
-        pair.resume()
+                other.hold()
+        pair.release()
         time.sleep(plan.resume_s)
         pair.take()
         time.sleep(plan.window_s)

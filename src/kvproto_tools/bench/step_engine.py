@@ -6,10 +6,11 @@ process. The engine runs in-process in the child (``VLLM_ENABLE_V1_MULTIPROCESSI
 so its scheduler, worker and both connector halves share the child's
 :data:`~.step_timing.TOTALS`.
 
-Between commands the child keeps stepping, as ``EngineCore.run_busy_loop``
-does while it has requests, with a short pause so two engines share two
-cores, unless told to hold still (``pause`` until ``resume``: the suite keeps
-two engine pairs alive and steps only the pair it measures). A *background*
+Between commands the child keeps stepping, back to back as
+``EngineCore.run_busy_loop`` does while it has requests (it only checks its
+input queue, without blocking, between steps), unless held
+(:meth:`EngineChild.hold` until :meth:`EngineChild.release`: the suite keeps
+two engine pairs alive and runs only the pair it measures). A *background*
 request (a local decode, no KV transfer) always runs, replaced as soon as it
 finishes, so the engine steps at every size, with a forward pass, like an
 engine under load. On D (``park=True``: priority scheduling and
@@ -27,6 +28,7 @@ import contextlib
 import importlib
 import multiprocessing as mp
 import os
+import signal
 import statistics
 import time
 import traceback
@@ -34,8 +36,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-PAUSE_S = 0.002
-"""Idle wait between steps (a command may arrive); two engines share two cores."""
+PAUSE_S = 0.0
+"""Wait for a command between steps: none, as vLLM's busy loop (P and D each have
+their own core, examples/pd_cpu's OpenMP binding). A pause would only let other
+work evict the caches before the next step's hooks, in both columns."""
 BACKGROUND_PROMPT = "Every token attends to all the tokens that came before it."
 MAX_SAMPLES = 200_000
 """Steps kept between two reads (a cap, not a window: windows are read well before)."""
@@ -224,12 +228,30 @@ class EngineChild:
             raise RuntimeError(f"{self.name}: {value}")
         return value
 
+    def hold(self) -> None:
+        """Stop stepping, then freeze the whole process: stock NixlConnector's progress
+        thread would otherwise keep a core busy while its engine holds still."""
+        self.call("pause")
+        self._signal(signal.SIGSTOP)
+
+    def release(self) -> None:
+        """Thaw the process and step again."""
+        self._signal(signal.SIGCONT)
+        self.call("resume")
+
     def stop(self) -> None:
-        """Ask the child to end; kill it if it does not within 30 s."""
+        """Ask the child to end (thawed first, if held); kill it if it does not within 30 s."""
         if self.proc.is_alive():
+            self._signal(signal.SIGCONT)
             with contextlib.suppress(TimeoutError, RuntimeError, OSError):
                 self.call("stop", timeout_s=30.0)
             self.proc.join(30.0)
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join()
+
+    def _signal(self, sig: signal.Signals) -> None:
+        pid = self.proc.pid
+        if pid is not None:  # started (the constructor starts it)
+            with contextlib.suppress(ProcessLookupError):  # it died: the next call says so
+                os.kill(pid, sig)
