@@ -678,11 +678,15 @@ class Holder:
             attach(slot, leases, claim.lease)
             attached = True
             # Just attached: renewed by this session alone unless others renew it too.
+            # max and min as expressions (a call to either costs more than the claim's
+            # other arithmetic); each column read once, as a read boxes a new float.
             if holder_col[slot] == serial:
-                until = own[slot] if own[slot] > deadline else deadline
+                until = own[slot]
+                until = deadline if deadline > until else until
             else:
                 until = self._live_until(slot)
-            held.append((claim.lease, min(until, hard[slot]) - now))
+            stop = hard[slot]
+            held.append((claim.lease, (stop if stop < until else until) - now))
         self._granted -= promoted
         self._held += promoted
         if attached and session.heap_due is None and deadline != _NEVER_RENEWED:
