@@ -510,7 +510,7 @@ class Engine:
             # Lost or removed meanwhile: PeerLost was (or will be) reported instead.
             self._shared.release_send_slot()
             return
-        self._send_frame(conn, FrameKind.NOTIFY, payload, counted=True)
+        self._send_frame(conn, _NOTIFY, payload, counted=True)
 
     def _send_frame(self, conn: _Conn, kind: FrameKind, body: bytes, *, counted: bool) -> None:
         if not conn.ready:

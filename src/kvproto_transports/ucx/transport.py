@@ -265,7 +265,8 @@ class UcxTransport:
         """
         data = bytes(payload)
         with self._lock:
-            self._check()
+            if self._closed or self._shared.failed is not None:
+                self._check()  # raises; tested inline first, as every send does
             if self._max is not None and len(data) > self._max:
                 raise FrameTooLarge(f"{len(data)} bytes > max_notification_size {self._max}")
             if peer not in self._peers:
