@@ -187,17 +187,20 @@ class Reader:
             session.parked.append(request_id)
             if session.state is _OPEN:
                 holders.rehello(now, session)
-        # What _attach does, flattened: this is the path every request takes. The
-        # route's sessions are all of the ticket's engine: one index entry serves them.
+        # What _attach and Beats.hold do, flattened: every request takes this path, and
+        # each call was ~0.5k instructions of it. The route's sessions are all of the
+        # ticket's engine: one index entry serves them.
         lease = ticket.lease
-        if len(restarted) < len(sessions):
+        if not restarted or len(restarted) < len(sessions):
             self._by_lease[(ticket.holder_engine, lease)] = request_id
         for session in sessions:
             if session.state not in NEED_KEEPS_STATE:
                 holders.need(session)
             if restarted and session in restarted:
                 continue
-            session.beats.hold(lease, request_id, proof)
+            beats = session.beats
+            beats.leases.add(lease, request_id)
+            beats.pending_claims[lease] = proof
             if session.state is _OPEN:
                 # The claim leaves at the binding's next pump, not at the next tick:
                 # until the holder has it the lease is not tied to this reader, so the

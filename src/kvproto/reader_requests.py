@@ -32,9 +32,12 @@ _OPEN = SessionState.OPEN
 # Part and Request are msgspec Structs, not dataclasses, for one reason: every track
 # makes one of each, and CPython 3.11 makes a Python class instance at ~3-4k
 # instructions against msgspec's ~1k (mutable, attribute access as fast as slots).
+# gc=False: neither can be part of a reference cycle (a Part holds only scalars and
+# bytes, a Request its ticket, scalars and its own Parts), so the cyclic collector
+# need not track them: ~0.2k instructions less to make each, and less for it to walk.
 
 
-class Part(msgspec.Struct):
+class Part(msgspec.Struct, gc=False):
     """A request's relation to one holder rank."""
 
     rank: int
@@ -50,7 +53,7 @@ class Part(msgspec.Struct):
     """Deferred read: the heartbeat seq whose acknowledgement settles it (-1: none awaited)."""
 
 
-class Request(msgspec.Struct):
+class Request(msgspec.Struct, gc=False):
     """One tracked request: its ticket and one :class:`Part` per holder rank it reads from."""
 
     request_id: str
