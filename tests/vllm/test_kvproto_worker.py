@@ -157,6 +157,23 @@ def orders(rid: str, ticket: LeaseTicket, port: int, local: list[int], remote: l
     return track, recv
 
 
+def grant_and_orders(
+    ticket: LeaseTicket,
+    port: int,
+    local: list[int],
+    remote: list[int],
+    *,
+    p_rid: str = "p-tp",
+    d_rid: str = "d-tp",
+) -> tuple[KvprotoMetadata, KvprotoMetadata]:
+    """P's grant, D's track and recv of one request: both schedulers' orders of one step."""
+    track, recv = orders(d_rid, ticket, port, local, remote)
+    return (
+        KvprotoMetadata(incarnation=INCARNATION, grants=[Grant(request_id=p_rid, ticket=ticket)]),
+        KvprotoMetadata(tracks=[track], recvs=[recv]),
+    )
+
+
 def test_read_moves_the_blocks_and_reports_once(pair: Any) -> None:
     p, p_kv, d, d_kv, _ = pair
     loop = Loop(p, d)
@@ -284,13 +301,10 @@ def test_idle_engines_skip_the_pump_and_wake_on_their_first_order(pair: Any) -> 
             loop.step()
 
         ticket = mint(p, "p-idle-1")
-        track, recv = orders("d-idle-1", ticket, p.base_port, [3, 4], [5, 6])
-        loop.step(
-            KvprotoMetadata(
-                incarnation=INCARNATION, grants=[Grant(request_id="p-idle-1", ticket=ticket)]
-            ),
-            KvprotoMetadata(tracks=[track], recvs=[recv]),
+        first = grant_and_orders(
+            ticket, p.base_port, [3, 4], [5, 6], p_rid="p-idle-1", d_rid="d-idle-1"
         )
+        loop.step(*first)
         loop.run_until("confirmed", lambda: loop.recving and loop.sending)
         assert loop.recving == ["d-idle-1"] and loop.sending == ["p-idle-1"] and not loop.failed
         loop.step(d_meta=KvprotoMetadata(finishes=["d-idle-1"]))
@@ -364,16 +378,6 @@ def tp_worker(
     caches = {name: fill(NUM_BLOCKS, heads, 32, 64) for name in LAYERS}
     side.register_kv_caches(caches)
     return side, caches
-
-
-def grant_and_orders(
-    ticket: LeaseTicket, port: int, local: list[int], remote: list[int]
-) -> tuple[KvprotoMetadata, KvprotoMetadata]:
-    track, recv = orders("d-tp", ticket, port, local, remote)
-    return (
-        KvprotoMetadata(incarnation=INCARNATION, grants=[Grant(request_id="p-tp", ticket=ticket)]),
-        KvprotoMetadata(tracks=[track], recvs=[recv]),
-    )
 
 
 def test_reader_tp_wider_than_holder(pair: Any) -> None:
