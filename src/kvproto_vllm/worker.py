@@ -11,7 +11,8 @@ Lifecycle (vLLM calls, all on the worker's execution thread, never concurrently)
   protocol. A producer opens its side-channel server here (serving this
   rank's metadata and taking readers' introductions); a consumer creates its
   Reader and handshake client.
-* every step: ``start_load_kv`` applies the scheduler's orders and pumps;
+* every step: ``start_load_kv`` applies the scheduler's orders and pumps
+  (unless the worker is idle: :meth:`WorkerSide._idle`);
   ``get_transfer_results`` reports, and pumps again first while a transfer
   may be under way (:meth:`WorkerSide._transfers_pending`). A pump = add
   introduced readers, apply finished handshakes, :meth:`Endpoint.step` (poll
@@ -21,9 +22,12 @@ Lifecycle (vLLM calls, all on the worker's execution thread, never concurrently)
 Why so few calls: inside an engine every hook runs with caches the forward
 pass has just evicted, so a step costs what it touches more than what it
 executes (spec/benchmarks.md, "vLLM step": one NIXL ``get_new_notifs`` is
-tens of times dearer cold than in a hot loop). So an idle step skips the
-second pump, the transport's thread hook runs only when the thread changed,
-and the stats snapshot is read only when due (:meth:`WorkerSide.stats_due`).
+tens of times dearer cold than in a hot loop, and every Python call costs a
+few microseconds). So an engine with no remote request skips the pump, a step
+with no transfer under way skips the second one, a step skips the calls that
+have no orders or results to handle, the transport's thread hook runs only
+when the thread changed, and the stats snapshot is read only when due
+(:meth:`WorkerSide.stats_due`).
 
 Bad peer input never raises out of a step: the cores drop and count it, the
 binding absorbs unreachable peers, and this module catches what is left

@@ -65,7 +65,7 @@ class StepPlan:
     alternations: int = 2
     """Windows per connector and size, interleaved with the other connector's."""
     resume_s: float = 1.0
-    """Steps of a pair that held still, before its window (its late heartbeats go out)."""
+    """Seconds a thawed pair steps before its window (its late heartbeats go out)."""
     lease_s: int = 30
     """``kv_lease_duration`` of both connectors (vLLM's default)."""
 
