@@ -168,6 +168,10 @@ class Holder:
         if not 0 <= rank < tp_size:
             raise LocalProtocolError(f"rank {rank} outside TP size {tp_size}")
         self.config = config
+        # Read on every heartbeat; the config is frozen, and these are computed from it.
+        self._extension = config.lease_extension
+        self._ack_room = wire.frame_room(config.frame_budget, wire.HELD_BYTES)
+        """``HeartbeatAck.held`` and ``lost`` items one ack frame has room for."""
         self.engine = engine
         self.incarnation = incarnation
         self.rank = rank
@@ -597,8 +601,9 @@ class Holder:
             self.stats.replayed += 1
             return
         self.stats.heartbeats += 1
-        renewed = now + self.config.lease_extension
-        session.deadline = max(session.deadline, renewed)
+        renewed = now + self._extension
+        deadline = session.deadline
+        session.deadline = renewed if renewed > deadline else deadline  # max, without the call
         if session.leases.count and session.heap_due is None:
             self._schedule_session(session)
         lost: list[int] = []
@@ -624,8 +629,13 @@ class Holder:
         resync: bool,
     ) -> None:
         # held first, then lost, as one list cut to the frame budget.
-        room = wire.frame_room(self.config.frame_budget, wire.HELD_BYTES)
+        room = self._ack_room
         n_held = len(held)
+        if n_held + len(lost) <= room:
+            # All in one ack (every steady heartbeat's): the loop below, without the cuts.
+            ack = wire.HeartbeatAck(seq=seq, clock=now, held=held, lost=lost, resync=resync)
+            self._send_session(session, ack)
+            return
         for part in wire.frame_slices(n_held + len(lost), room):
             start, stop = part.start - n_held, part.stop - n_held
             ack = wire.HeartbeatAck(
@@ -792,7 +802,8 @@ class Holder:
     def _done_input(self, session: _Session, slot: int) -> LeaseInput:
         """What a proven done is to its lease; the tables decide what it does."""
         table = self._leases
-        reader_tp = table.reader_tp(slot)
+        code = table.claimer[slot]  # table.reader_tp and table.expected, read once
+        reader_tp = table.claimers.tps[code]
         if reader_tp and reader_tp != session.tp_size:
             # reader_tp is unset only when the lease ended before anyone claimed it:
             # such a done is late, not of another TP layout.
@@ -803,16 +814,16 @@ class Holder:
             # first (a replayed Hello without auth_secret), the real reader's done after
             # the free is answered LATE, so its read is fenced instead of trusted.
             return _IN_DUPLICATE_DONE
-        if table.terminal(slot):
+        if TERMINAL[table.states[slot]]:
             return _IN_DONE
         counted = 0 if consumers is None else len(consumers)
         if consumers is None or session.rank not in consumers:
             counted += 1
-        return _IN_LAST_DONE if counted >= table.expected(slot) else _IN_DONE
+        return _IN_LAST_DONE if counted >= table.claimers.expected[code] else _IN_DONE
 
     def _apply_done(self, now: float, session: _Session, slot: int) -> DoneVerdict:
         event = self._done_input(session, slot)
-        verdict = done_verdict(self._leases.state(slot), event)
+        verdict = done_verdict(STATES[self._leases.states[slot]], event)
         if event is _IN_FOREIGN_DONE:
             self.stats.bad_rank_done += 1  # not in the expected set: its read is not vouched for
         elif verdict is _VERDICT_LATE:
@@ -963,8 +974,10 @@ class Holder:
 
     def _schedule_lease(self, slot: int) -> None:
         table = self._leases
-        hard = table.hard[slot]
-        due = hard if table.members.holder[slot] != NOBODY else min(table.own[slot], hard)
+        due = table.hard[slot]
+        if table.members.holder[slot] == NOBODY:
+            own = table.own[slot]
+            due = own if own < due else due  # min(own, hard), without the call
         if table.due[slot] <= due:  # False while UNSCHEDULED (NaN)
             return  # the earlier canonical entry will fire and re-schedule
         table.due[slot] = due

@@ -68,13 +68,16 @@ class DeadlineQueue:
 
     def push(self, due: float, lease_id: int) -> None:
         """Add an entry (duplicates are the caller's to skip when they come out)."""
-        self.soonest = min(self.soonest, due)
+        soonest = self.soonest
+        self.soonest = due if due < soonest else soonest  # min without the call
         recent = self._recent
         dues = recent.dues
-        if dues and (due > dues[-1] or (due == dues[-1] and lease_id >= recent.ids[-1])):
-            dues.append(due)
-            recent.ids.append(lease_id)
-            return
+        if dues:
+            tail = dues[-1]  # read once: each read of an array boxes a new float
+            if due > tail or (due == tail and lease_id >= recent.ids[-1]):
+                dues.append(due)
+                recent.ids.append(lease_id)
+                return
         entry = (due, lease_id)
         best: _Lane | None = None
         best_last: tuple[float, int] | None = None

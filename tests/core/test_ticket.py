@@ -15,7 +15,7 @@ from kvproto.errors import LocalProtocolError, RemoteProtocolError
 from kvproto.events import FailReason
 from kvproto.holder import Holder
 from kvproto.reader import Reader
-from kvproto.ticket import MAX_HOLDER_TP, PROOF_BYTES, LeaseTicket, claim_proof
+from kvproto.ticket import MAX_HOLDER_TP, PROOF_BYTES, LeaseTicket, claim_proof, claim_prover
 
 from .pair import counter_entropy
 
@@ -167,6 +167,15 @@ def test_claim_proof_binds_token_engine_and_lease() -> None:
     assert proof != claim_proof(token, "D", 2)
     # The engine id is delimited: "D" + lease cannot collide with "D\x00..." engines.
     assert claim_proof(token, "D\x00", 1) != proof
+
+
+def test_the_holder_checks_claims_with_the_same_proof() -> None:
+    tokens = [bytes(16), bytes([7]) * 16]
+    for engine in ("D", "E\x00", "decode-7"):
+        prove = claim_prover(engine)
+        for token in tokens:
+            for lease in (1, 2**64 - 1):
+                assert prove(bytearray(token), lease) == claim_proof(token, engine, lease)
 
 
 def test_reader_fails_an_unusable_ticket_instead_of_raising_later() -> None:
