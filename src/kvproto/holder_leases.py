@@ -30,7 +30,7 @@ from kvproto.holder_claimers import UNCLAIMED, Claimers
 from kvproto.holder_members import NOBODY, Memberships
 from kvproto.holder_requests import RequestIndex
 from kvproto.states import LEASE_TRANSITIONS, LeaseInput, LeaseState
-from kvproto.ticket import TOKEN_BYTES, LeaseTicket, claim_proof
+from kvproto.ticket import TOKEN_BYTES, LeaseTicket
 
 STATES = tuple(LeaseState)
 """The state column holds an index into this tuple."""
@@ -271,22 +271,9 @@ class LeaseTable:
         start = slot * TOKEN_BYTES
         return bytes(self.tokens[start : start + TOKEN_BYTES])
 
-    def proof(self, slot: int, engine: str) -> bytes:
-        """The proof a claim of the lease by ``engine`` carries."""
-        start = slot * TOKEN_BYTES
-        return claim_proof(bytes(self.tokens[start : start + TOKEN_BYTES]), engine, self.ids[slot])
-
     def owner(self, slot: int) -> str | None:
         """The engine that first claimed the lease (``legacy:<peer>`` for stock peers)."""
         return self.claimers.engines[self.claimer[slot]]
-
-    def expected(self, slot: int) -> int:
-        """Consumers expected to report done (the first claimer's session's figure)."""
-        return self.claimers.expected[self.claimer[slot]]
-
-    def reader_tp(self, slot: int) -> int:
-        """The first claimer's TP size: whose ranks' dones count (0: unclaimed)."""
-        return self.claimers.tps[self.claimer[slot]]
 
     def set_claimer(self, slot: int, engine: str, *, tp: int = 0, expected: int = 0) -> None:
         """Record the first claimer (unclaimed until now): its engine, TP size and the
