@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from kvproto.config import LeaseConfig
 from kvproto.holder_leases import LeaseTable
-from kvproto.ticket import MAX_ID, LeaseTicket, claim_proof
+from kvproto.ticket import MAX_ID, LeaseTicket
 
 # Ids that share a home slot at every table size (multiples of 2**20 apart), a few
 # sequential ones, and any uint64: the ways ids reach a holder.
@@ -63,9 +63,12 @@ def test_slots_of_forgotten_leases_are_reused_and_start_clean() -> None:
     assert [(s.count, s.digest, table.members.slots(s)) for s in (seven, eight)] == [(0, 0, [])] * 2
     again = table.add(_ticket(2**20 + 1), 5.0, 600.0)
     assert again == first and table.slot(1) is None
-    # Nothing of the first lease's claim is taken for the new lease's.
-    assert table.proof(again, "D") == claim_proof(table.token(again), "D", 2**20 + 1)
-    assert (table.owner(again), table.reader_tp(again), table.expected(again)) == (None, 0, 0)
+    # Nothing of the first lease's claim is taken for the new lease's: a claim's proof
+    # is derived from the slot's token and id, and its first claimer's figures by code.
+    assert table.ids[again] == 2**20 + 1 and table.token(again) == _ticket(2**20 + 1).token
+    code = table.claimer[again]
+    assert table.owner(again) is None
+    assert (table.claimers.tps[code], table.claimers.expected[code]) == (0, 0)
     assert len(table.claimers) == 0
     assert table.members.holders(again) == () and table.own[again] == 35.0
 
