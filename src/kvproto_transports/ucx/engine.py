@@ -103,7 +103,11 @@ engine waking on every arrival 85-150 us, windows of 0.2 ms 56-170 us (the
 engine re-checking that often still collides), 1 ms 54-61 us, raw 36-38 us.
 What only the engine thread would do (serve a peer's ``get`` once the caller
 stops polling, a command queued while another API thread held the step)
-waits at most this long."""
+waits at most this long. An engine thread already waiting on the event fd
+when a caller comes back (after a read, say) is signalled out by that
+caller's first step: left there, the first arrival woke it on that message's
+path, and its taking the GIL cost the next round trip 20-40 us (0.8-1.1 such
+wake-ups a round trip of the transport bench, which alternates with reads)."""
 
 STALL_S = 3.0
 """A connection whose oldest send has not completed for this long is declared
@@ -165,6 +169,9 @@ class Engine:
         self._signal_lock = threading.Lock()
         self._worker_handle = 0  # 0: no worker to signal (not started, or torn down)
         self._sleeping = False
+        self._armed_wait = False
+        """The engine thread waits on the worker's event fd (armed): the next UCX
+        event wakes it. A polling caller signals it out of there (CALLER_WINDOW_S)."""
         self._started: Future[bytes] = Future()
         self._thread = threading.Thread(
             target=self._main, name=f"kvproto-ucx-{config.local_peer}", daemon=True
@@ -252,6 +259,12 @@ class Engine:
             try:
                 if whole_step:
                     self._caller_step_at = self._step(notify=False)
+                    if self._armed_wait and self.wakeup is None:
+                        # Take over from an engine thread waiting on the event fd now,
+                        # while this caller is between steps, rather than let the
+                        # next arrival wake it on the path of that message.
+                        self._armed_wait = False
+                        self._signal()
                 else:
                     if self._commands:
                         self._run_commands()
@@ -348,7 +361,9 @@ class Engine:
             # Set before this re-check, read by drive after its queue append: a
             # command queued meanwhile is seen here or signals the worker.
             if armed and not self._commands:
+                self._armed_wait = True
                 waiter.poll(wait_ms)  # outside the mutex and UCX, GIL released
+                self._armed_wait = False
             self._leave_to_caller()
             self._sleeping = False
 
