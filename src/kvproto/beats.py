@@ -23,11 +23,14 @@ from collections.abc import Callable
 import msgspec
 
 from kvproto import wire
-from kvproto.leaseset import LeaseSet, digest_without
+from kvproto.leaseset import SCATTER, LeaseSet
 
 _INFLIGHT_KEEP = 64
 """Sent heartbeats remembered for their acknowledgement (older answers are unexpected)."""
 _NO_IDS: tuple[int, ...] = ()
+_NO_CLAIMS: list[wire.Claim] = []
+"""The steady heartbeat's claims and aborts: one shared empty list, not two new ones a
+frame (never mutated: a Heartbeat is encoded and dropped)."""
 
 
 class Inflight(msgspec.Struct):
@@ -130,7 +133,14 @@ class Beats:
         if not (self.pending_claims or self.pending_aborts or self.want_full):
             # The steady state: nothing to carry but the set's count and digest.
             steady = self._frame(
-                now, key, claims=[], aborts=[], later_count=0, later_digest=0, full=None, final=True
+                now,
+                key,
+                claims=_NO_CLAIMS,
+                aborts=_NO_CLAIMS,
+                later_count=0,
+                later_ids=0,
+                full=None,
+                final=True,
             )
             return [steady]
         claims = [wire.Claim(lease=lease, proof=p) for lease, p in self.pending_claims.items()]
@@ -169,13 +179,13 @@ class Beats:
         if full is not None and items:
             chunks.insert(0, [])  # the full list goes alone
         later_count = len(claims)
-        later_digest = wire.digest(c.lease for c in claims)
+        later_ids = sum(c.lease for c in claims)
         out = []
         for index, chunk in enumerate(chunks):
             chunk_claims = [c for is_claim, c in chunk if is_claim]
             chunk_aborts = [c for is_claim, c in chunk if not is_claim]
             later_count -= len(chunk_claims)
-            later_digest = digest_without(later_digest, (c.lease for c in chunk_claims))
+            later_ids -= sum(c.lease for c in chunk_claims)
             out.append(
                 self._frame(
                     now,
@@ -183,7 +193,7 @@ class Beats:
                     claims=chunk_claims,
                     aborts=chunk_aborts,
                     later_count=later_count,
-                    later_digest=later_digest,
+                    later_ids=later_ids,
                     full=full if index == 0 else None,
                     final=index == len(chunks) - 1,
                 )
@@ -198,11 +208,12 @@ class Beats:
         claims: list[wire.Claim],
         aborts: list[wire.Claim],
         later_count: int,
-        later_digest: int,
+        later_ids: int,
         full: list[int] | None,
         final: bool,
     ) -> bytes:
-        """One heartbeat; its count and digest leave out the claims still to come."""
+        """One heartbeat; its count and digest leave out the claims still to come
+        (``later_count`` of them, their ids summing to ``later_ids``)."""
         self.seq += 1
         self.last_beat = now
         leases = self.leases
@@ -211,7 +222,9 @@ class Beats:
             claims=claims,
             aborts=aborts,
             count=leases.count - later_count,
-            digest=(leases.digest - later_digest) & wire.MAX_U64,
+            # LeaseSet.digest, inline and less the later claims (SCATTER: the digest
+            # is linear in the ids): one multiplication a frame.
+            digest=((leases.id_sum - later_ids) * SCATTER) & wire.MAX_U64,
             full=full,
         )
         inflight = self.inflight
