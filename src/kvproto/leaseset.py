@@ -3,11 +3,12 @@
 Holder and reader each keep, per session, the set of lease ids the session
 renews; a heartbeat carries its size and an order-independent digest
 (:func:`kvproto.wire.digest`) so the two sides notice a divergence without
-listing the ids. Both sides, and the benchmark's frame builder, keep the
-digest up to date one id at a time: this module is the one place that does
-it, so the wire value cannot drift between them. The digest is linear in the
-ids (:data:`SCATTER`), so a :class:`LeaseSet` keeps their plain sum and
-multiplies once per heartbeat rather than once per id.
+listing the ids. Both sides, and the benchmark's frame builder, keep it up to
+date one id at a time, and this module is the one place that says how, so the
+wire value cannot drift between them: the holder and the frame builder move a
+digest with :func:`digest_add` / :func:`digest_remove`; a :class:`LeaseSet`,
+as the digest is linear in the ids (:data:`SCATTER`), keeps their plain sum,
+which a heartbeat multiplies once.
 
 On the per-lease hot path (every track, claim, release): slotted, no
 per-operation allocation beyond the dict entry.
@@ -41,10 +42,10 @@ def digest_remove(digest: int, lease: int) -> int:
 class LeaseSet(Generic[V]):
     """Lease ids, each with an owner value, plus their count and digest.
 
-    The reader keeps the request id as the owner (lease ids repeat across
-    holder incarnations, so the owner tells whose lease an id is); the holder,
-    which needs none, keeps ``None``. Adding an id already present replaces
-    its owner and leaves count and digest alone: they describe the set of ids.
+    The reader's sessions keep the request id as the owner (lease ids repeat
+    across holder incarnations, so the owner tells whose lease an id is).
+    Adding an id already present replaces its owner and leaves count and digest
+    alone: they describe the set of ids.
     """
 
     __slots__ = ("_owners", "count", "id_sum")
