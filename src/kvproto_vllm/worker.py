@@ -253,8 +253,7 @@ class WorkerSide:
     def start_load_kv(self, meta: KvprotoMetadata | None) -> None:
         if self.transport is None or self._closed:
             return
-        if threading.get_ident() != self._thread:
-            self._enter()
+        self._enter()
         now = time.monotonic()
         if meta is not None and (meta.grants or meta.tracks or meta.recvs or meta.finishes):
             self._active = True
@@ -285,8 +284,7 @@ class WorkerSide:
         if self.transport is None or self._closed:
             return set(), set(), set()
         if self._transfers_pending():
-            if threading.get_ident() != self._thread:
-                self._enter()
+            self._enter()
             self._pump(time.monotonic())
         sending = self.holder_side.take_sending() if self.holder_side is not None else set()
         recving, failed = (
@@ -311,12 +309,13 @@ class WorkerSide:
         )
 
     def _enter(self) -> None:
-        """Run the transport's thread hook (NIXL's owner-thread rule) for this thread.
-
-        vLLM may move the worker to another thread; the hooks call this only when it
-        did (their own ``get_ident`` check), not at every step."""
-        self._enter_thread()
-        self._thread = threading.get_ident()
+        """Run the transport's thread hook (NIXL's owner-thread rule) if this thread is
+        not the one last entered from: vLLM may move the worker to another thread, and
+        the hook runs only when it did, not at every step."""
+        ident = threading.get_ident()
+        if ident != self._thread:
+            self._enter_thread()
+            self._thread = ident
 
     def take_bad_blocks(self) -> set[int]:
         return self.reader_side.take_bad_blocks() if self.reader_side is not None else set()
@@ -427,8 +426,7 @@ class WorkerSide:
             self.reader_side.client.close()
         if self.transport is not None:
             try:
-                if threading.get_ident() != self._thread:
-                    self._enter()
+                self._enter()
                 self.transport.close()
             except TransportError as exc:
                 log.warning("closing the %s transport: %s", self.transport.name, exc)
