@@ -23,7 +23,7 @@ from collections.abc import Callable
 import msgspec
 
 from kvproto import wire
-from kvproto.leaseset import SCATTER, LeaseSet
+from kvproto.leaseset import LeaseSet, digest_of_sum
 
 _INFLIGHT_KEEP = 64
 """Sent heartbeats remembered for their acknowledgement (older answers are unexpected)."""
@@ -222,9 +222,8 @@ class Beats:
             claims=claims,
             aborts=aborts,
             count=leases.count - later_count,
-            # LeaseSet.digest, inline and less the later claims (SCATTER: the digest
-            # is linear in the ids): one multiplication a frame.
-            digest=((leases.id_sum - later_ids) * SCATTER) & wire.MAX_U64,
+            # The set's digest less the later claims' (the digest is linear in the ids).
+            digest=digest_of_sum(leases.id_sum - later_ids),
             full=full,
         )
         inflight = self.inflight

@@ -14,7 +14,7 @@ numbered from -2 down, and lists them in a sparse dict; so does a lease whose
 one remaining session holds an extra node.
 
 Count and digest are kept per session as two numbers: the count, and the
-plain sum of the ids, from which :func:`kvproto.leaseset.digest_add` (the
+plain sum of the ids, from which :func:`kvproto.leaseset.digest_of_sum` (the
 helper the reader's sets use, so the wire value cannot drift) gives the
 digest when a heartbeat asks for it. The digest is linear in the ids, so the
 sum carries the same information, and a join or leave is one small addition
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from array import array
 
-from kvproto.leaseset import digest_add
+from kvproto.leaseset import digest_of_sum
 
 NO_NODE = -1
 """End of a list (or a list with no nodes)."""
@@ -53,7 +53,7 @@ class SessionLeases:
     @property
     def digest(self) -> int:
         """:func:`kvproto.wire.digest` of their ids (the heartbeat's ``digest``)."""
-        return digest_add(0, self.id_sum)
+        return digest_of_sum(self.id_sum)
 
 
 class Memberships:

@@ -6,9 +6,10 @@ renews; a heartbeat carries its size and an order-independent digest
 listing the ids. Both sides, and the benchmark's frame builder, keep it up to
 date one id at a time, and this module is the one place that says how, so the
 wire value cannot drift between them: the holder and the frame builder move a
-digest with :func:`digest_add` / :func:`digest_remove`; a :class:`LeaseSet`,
-as the digest is linear in the ids (:data:`SCATTER`), keeps their plain sum,
-which a heartbeat multiplies once.
+digest with :func:`digest_add` / :func:`digest_remove`; the holder's sessions
+and a :class:`LeaseSet`, as the digest is linear in the ids (:data:`SCATTER`),
+keep their plain sum, which :func:`digest_of_sum` turns into the digest once a
+heartbeat.
 
 On the per-lease hot path (every track, claim, release): slotted, no
 per-operation allocation beyond the dict entry.
@@ -27,6 +28,11 @@ SCATTER = id_hash(1)
 """:func:`kvproto.wire.id_hash` is multiplication by this constant modulo 2**64, so the
 digest of a set is ``(sum of its ids * SCATTER) & MAX_U64`` and a digest moves by
 ``lease * SCATTER`` (tests/core/test_leaseset.py holds both equal to the wire's)."""
+
+
+def digest_of_sum(id_sum: int) -> int:
+    """:func:`kvproto.wire.digest` of a set whose ids sum to ``id_sum`` (unreduced)."""
+    return (id_sum * SCATTER) & MAX_U64
 
 
 def digest_add(digest: int, lease: int) -> int:
@@ -80,7 +86,7 @@ class LeaseSet(Generic[V]):
     @property
     def digest(self) -> int:
         """:func:`kvproto.wire.digest` of the ids."""
-        return (self.id_sum * SCATTER) & MAX_U64
+        return digest_of_sum(self.id_sum)
 
     def owner(self, lease: int) -> V | None:
         """The owner ``lease`` was added with; None if absent."""

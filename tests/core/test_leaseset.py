@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvproto import wire
-from kvproto.leaseset import SCATTER, LeaseSet, digest_add, digest_remove
+from kvproto.leaseset import SCATTER, LeaseSet, digest_add, digest_of_sum, digest_remove
 
 _IDS = st.integers(min_value=0, max_value=wire.MAX_U64)
 
@@ -20,6 +20,7 @@ def test_the_incremental_digest_is_the_wire_digest(digest: int, lease: int) -> N
 @given(ids=st.lists(_IDS))
 def test_a_digest_is_the_sum_of_the_ids_scattered(ids: list[int]) -> None:
     assert (sum(ids) * SCATTER) & wire.MAX_U64 == wire.digest(ids)
+    assert digest_of_sum(sum(ids)) == wire.digest(ids)
 
 
 @given(ops=st.lists(st.tuples(st.booleans(), st.integers(min_value=0, max_value=40))))
