@@ -11,13 +11,15 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
+import os
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvproto_tools.bench import main
-from kvproto_tools.bench.engine_suites import SuiteUnavailable, pd_cpu
+from kvproto_tools.bench.engine_suites import SuiteUnavailable, pd_cpu, threads_of
 from kvproto_tools.bench.http_bench import HttpPlan, check, http_figures
 from kvproto_tools.bench.plan import QUICK
 from kvproto_tools.bench.step_bench import (
@@ -90,13 +92,14 @@ def test_timed_class_counts_each_outer_hook_call_once_per_side() -> None:
     assert worker.get_finished({"a"}) == {"a"}  # the real method still runs
     assert scheduler.build_connector_meta(None) == "meta"
     assert worker._helper() == 7 and timed.build_stats() == "Timed" and timed.layout() == "NHD"
-    ns, hooks = TOTALS.take()
+    ns, cpu_ns, hooks = TOTALS.take()
     assert worker.log == ["get_finished", "get_transfer_results"]
     assert set(hooks) == {("worker", "get_finished"), ("scheduler", "build_connector_meta")}
     assert hooks[("worker", "get_finished")][0] == 1  # the inner hook is inside the outer time
     assert ns["worker"] == hooks[("worker", "get_finished")][1] > 0
     assert ns["scheduler"] == hooks[("scheduler", "build_connector_meta")][1] > 0
-    assert TOTALS.take()[0] == {"scheduler": 0, "worker": 0}  # take resets
+    assert cpu_ns > 0  # the calling thread's CPU in both outer calls
+    assert TOTALS.take()[:2] == ({"scheduler": 0, "worker": 0}, 0)  # take resets
 
 
 def _windows(sizes: tuple[int, ...]) -> dict[tuple[str, str, int], Window]:
@@ -104,8 +107,13 @@ def _windows(sizes: tuple[int, ...]) -> dict[tuple[str, str, int], Window]:
     for k, connector in enumerate(("kvproto", "stock")):
         for role in ("prefill", "decode"):
             for n in sizes:
-                samples = [(1_000 * (k + 1) + i, 2_000 + 10 * i, 5_000_000) for i in range(200)]
-                out[(connector, role, n)] = Window(samples=samples, requests=n)
+                samples = [
+                    (1_000 * (k + 1) + i, 2_000 + 10 * i, 5_000_000, 2_500 + i, 4_000_000)
+                    for i in range(200)
+                ]
+                out[(connector, role, n)] = Window(
+                    samples=samples, requests=n, wall_s=6.0, other_cpu_s=1.5 * k
+                )
     return out
 
 
@@ -127,6 +135,10 @@ def test_step_figures_pair_kvproto_with_stock_at_every_role_and_size() -> None:
             # here kvproto's scheduler side is the cheaper one, so the total's verdict follows
             assert total.met is (total.value <= (total.anchor_value or 0))
             assert total.ratio is not None and total.ratio > 1
+            cpu = by[(f"vllm_step.{role}.connector.cpu", n)]
+            assert cpu.unit == "us" and cpu.met is (cpu.value <= (cpu.anchor_value or 0))
+            others = by[(f"vllm_step.{role}.other_threads", n)]
+            assert (others.value, others.anchor_value) == (0.0, 0.25) and others.ratio is None
         held = by[("vllm_step.prefill.held", n)]
         assert held.value == held.anchor_value == n and held.ratio is None
     for f in figures:
@@ -155,11 +167,27 @@ def test_windows_alternate_the_connectors_at_every_size() -> None:
 
 
 def test_a_cell_pools_its_windows_and_keeps_the_fewest_requests() -> None:
-    a = Window(samples=[(1, 2, 3)], requests=100)
-    b = Window(samples=[(4, 5, 6), (7, 8, 9)], requests=99)
+    a = Window(samples=[(1, 2, 3, 1, 2)], requests=100, wall_s=6.0, other_cpu_s=1.0)
+    b = Window(samples=[(4, 5, 6, 3, 5), (7, 8, 9, 6, 8)], requests=99, wall_s=6.5, other_cpu_s=2.0)
     cell = pooled([a, b])
-    assert list(cell.samples) == [(1, 2, 3), (4, 5, 6), (7, 8, 9)]
+    assert list(cell.samples) == [(1, 2, 3, 1, 2), (4, 5, 6, 3, 5), (7, 8, 9, 6, 8)]
     assert cell.requests == 99  # a lease lost in one window shows in the figure
+    assert (cell.wall_s, cell.other_cpu_s) == (12.5, 3.0)  # the cell's cores: 3.0 / 12.5
+
+
+def test_threads_of_reads_every_thread_of_a_process_with_its_cpu_and_cores() -> None:
+    done = threading.Event()
+    waiter = threading.Thread(target=done.wait, name="kvproto-test-waiter")
+    waiter.start()
+    try:
+        threads = threads_of(os.getpid())
+    finally:
+        done.set()
+        waiter.join()
+    _, cpu_s, cores = threads[os.getpid()]  # the main thread's id is the process id
+    assert cpu_s > 0  # this test process has run Python for a while
+    assert cores.replace("-", ",").split(",")[0].isdigit()  # "0-1", "3", ...
+    assert waiter.native_id in threads  # every thread, not the main one alone
 
 
 def _http_result(variant: str, r: int, ttft: float) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -39,3 +40,29 @@ def pd_cpu(module: str) -> ModuleType:
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
     return importlib.import_module(f"examples.pd_cpu.{module}")
+
+
+def threads_of(pid: int) -> dict[int, tuple[str, float, str]]:
+    """Thread id -> (name, CPU seconds so far, cores it may run on) for every thread of
+    process ``pid`` (``/proc/<pid>/task``); threads that end while read are left out."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[int, tuple[str, float, str]] = {}
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            stat = (task / "stat").read_text()
+            status = (task / "status").read_text()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat.rsplit(")", 1)[1].split()
+        cpu_s = (int(fields[11]) + int(fields[12])) / tick
+        allowed = next(
+            (
+                ln.split(":", 1)[1].strip()
+                for ln in status.splitlines()
+                if ln.startswith("Cpus_allowed_list")
+            ),
+            "?",
+        )
+        out[int(task.name)] = (name, cpu_s, allowed)
+    return out

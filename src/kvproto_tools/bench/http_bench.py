@@ -16,7 +16,6 @@ one knob stock offers for its UCX threads).
 
 from __future__ import annotations
 
-import os
 import statistics
 import tempfile
 import time
@@ -26,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvproto_tools.bench.engine_suites import pd_cpu
+from kvproto_tools.bench.engine_suites import pd_cpu, threads_of
 from kvproto_tools.bench.figures import Figure
 from kvproto_tools.bench.timing import percentile
 
@@ -72,28 +71,11 @@ def check(plan: HttpPlan) -> str | None:
 
 def _threads(proc: Any) -> dict[tuple[int, str], tuple[float, str]]:
     """(pid, thread name) -> (CPU seconds so far, allowed cores) for every thread of the tree."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out: dict[tuple[int, str], tuple[float, str]] = {}
-    for pid in proc.tree():
-        for task in Path(f"/proc/{pid}/task").glob("*"):
-            try:
-                stat = (task / "stat").read_text()
-                status = (task / "status").read_text()
-            except OSError:
-                continue
-            name = stat[stat.index("(") + 1 : stat.rindex(")")]
-            fields = stat.rsplit(")", 1)[1].split()
-            cpu_s = (int(fields[11]) + int(fields[12])) / tick
-            allowed = next(
-                (
-                    ln.split(":", 1)[1].strip()
-                    for ln in status.splitlines()
-                    if ln.startswith("Cpus_allowed_list")
-                ),
-                "?",
-            )
-            out[(pid, f"{name}#{task.name}")] = (cpu_s, allowed)
-    return out
+    return {
+        (pid, f"{name}#{tid}"): (cpu_s, allowed)
+        for pid in proc.tree()
+        for tid, (name, cpu_s, allowed) in threads_of(pid).items()
+    }
 
 
 def _cpu_table(before: dict[Any, Any], after: dict[Any, Any], wall: float) -> list[dict[str, Any]]:

@@ -21,6 +21,16 @@ windows' steps.
 
 Both connectors run with the timing wrapper, so its ~0.2 us per hook call is
 in both columns alike.
+
+What is compared: the engine thread's time inside the connector's hooks per
+step, both in wall time (``connector``: what the step waits for) and in that
+thread's CPU time (``connector.cpu``: the same minus any time the thread was
+descheduled, so a column whose core is busier with other threads is not
+charged for them). Both columns' engines run on the same cores
+(:mod:`.step_engine`), and each column's whole step (``engine_step``, wall and
+CPU) and the CPU its process's other threads used in the window
+(``other_threads``, in cores: stock's NIXL/UCX threads, OpenMP, kvproto's side
+channel) are figures beside it, so a ratio can be read against step lengths.
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvproto_tools.bench.engine_suites import pd_cpu
+from kvproto_tools.bench.engine_suites import pd_cpu, threads_of
 from kvproto_tools.bench.figures import Figure
 from kvproto_tools.bench.step_engine import EngineArgs, EngineChild, Sample
 from kvproto_tools.bench.timing import percentile
@@ -82,6 +92,10 @@ class Window:
     """One per engine step in the window."""
     requests: int
     """Held (P) or queued (D) when the window closed, read from the scheduler."""
+    wall_s: float = 0.0
+    """The window's wall time."""
+    other_cpu_s: float = 0.0
+    """CPU seconds the engine process's threads other than the engine thread used in it."""
 
 
 Windows = Mapping[tuple[str, str, int], Window]
@@ -113,6 +127,8 @@ def _pair(role: str, n: int, ours: Window, stock: Window) -> list[Figure]:
             "worker": [s[1] for s in w.samples],
             "connector": [s[0] + s[1] for s in w.samples],
             "engine_step": [s[2] for s in w.samples],
+            "connector.cpu": [s[3] for s in w.samples],
+            "engine_step.cpu": [s[4] for s in w.samples],
         }
 
     a, b = columns(ours), columns(stock)
@@ -134,9 +150,20 @@ def _pair(role: str, n: int, ours: Window, stock: Window) -> list[Figure]:
     return [
         fig("connector", "connector", 0.5, True),
         fig("connector.p99", "connector", 0.99, True),
+        fig("connector.cpu", "connector.cpu", 0.5, True),
         fig("scheduler", "scheduler", 0.5, False),
         fig("worker", "worker", 0.5, False),
         fig("engine_step", "engine_step", 0.5, False),
+        fig("engine_step.cpu", "engine_step.cpu", 0.5, False),
+        Figure(
+            name=f"{base}.other_threads",
+            size=n,
+            value=ours.other_cpu_s / ours.wall_s if ours.wall_s else 0.0,
+            unit="cores",
+            anchor=ANCHOR,
+            anchor_value=stock.other_cpu_s / stock.wall_s if stock.wall_s else 0.0,
+            comparable=False,
+        ),
         Figure(
             name=f"{base}.{what}",
             size=n,
@@ -160,7 +187,17 @@ def _pair(role: str, n: int, ours: Window, stock: Window) -> list[Figure]:
 
 def expected_step_names() -> set[str]:
     """Every figure name a ``vllm-step`` run produces."""
-    tails = ("connector", "connector.p99", "scheduler", "worker", "engine_step", "steps")
+    tails = (
+        "connector",
+        "connector.p99",
+        "connector.cpu",
+        "scheduler",
+        "worker",
+        "engine_step",
+        "engine_step.cpu",
+        "other_threads",
+        "steps",
+    )
     names = {f"vllm_step.{role}.{t}" for role in ROLES for t in tails}
     return names | {"vllm_step.prefill.held", "vllm_step.decode.queued"}
 
@@ -179,7 +216,12 @@ def _engine_args(
         env = cluster.engine_env(spec, shim=None, base={})
         env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="WARNING")
         return EngineArgs(
-            model=str(model), kv_transfer_config=kv, env=env, park=park, max_num_seqs=PREFILL_SEQS
+            model=str(model),
+            kv_transfer_config=kv,
+            env=env,
+            park=park,
+            max_num_seqs=PREFILL_SEQS,
+            cpus=tuple(int(c) for c in spec.cpus.split(",")),
         )
 
     return args(prefill, False), args(decode, True)
@@ -203,11 +245,13 @@ def window_order(plan: StepPlan) -> list[tuple[int, str]]:
 
 
 def pooled(windows: Sequence[Window]) -> Window:
-    """One cell from its alternations: every window's steps, and the fewest requests any
-    window closed with (a lease lost in one window shows)."""
+    """One cell from its alternations: every window's steps, the fewest requests any
+    window closed with (a lease lost in one window shows), the windows' time summed."""
     return Window(
         samples=[s for w in windows for s in w.samples],
         requests=min(w.requests for w in windows),
+        wall_s=sum(w.wall_s for w in windows),
+        other_cpu_s=sum(w.other_cpu_s for w in windows),
     )
 
 
@@ -224,9 +268,12 @@ class _Pair:
         self.held = False
         """Frozen (:meth:`EngineChild.hold`) while the other pair is measured."""
 
-    def start(self) -> None:
-        self.p.call("start")
-        self.d.call("start")
+    def start(self, say: Say) -> None:
+        for engine in (self.p, self.d):
+            info = engine.call("start")
+            say(
+                f"vllm-step: {engine.name} built with its engine thread on cores {info['built_on']}"
+            )
 
     def grow(self, n: int, prompt: Callable[[int], str]) -> None:
         """Prefill on P and queue on D the requests from the last size up to ``n``."""
@@ -280,19 +327,38 @@ def _measure_pairs(
         pair.release()
         time.sleep(plan.resume_s)
         pair.take()
+        before = {e.name: _other_cpu_s(e) for e in (pair.p, pair.d)}
+        start = time.monotonic()
         time.sleep(plan.window_s)
         for role, engine in (("prefill", pair.p), ("decode", pair.d)):
             got = engine.call("take")
+            wall = time.monotonic() - start
+            others_s = _other_cpu_s(engine) - before[engine.name]
             state = engine.call("state")
             count = state["held"] if role == "prefill" else state["waiting"]
-            window = Window(samples=got["samples"], requests=count)
+            window = Window(
+                samples=got["samples"], requests=count, wall_s=wall, other_cpu_s=others_s
+            )
             out.setdefault((connector, role, n), []).append(window)
             say(
                 f"vllm-step: {connector:>7} {role:>7} N={n:<5,} {len(window.samples):>4} steps, "
-                f"median {_us([s[0] + s[1] for s in window.samples], 0.5):.0f} us, {state}; "
+                f"median {_us([s[0] + s[1] for s in window.samples], 0.5):.0f} us "
+                f"(cpu {_us([s[3] for s in window.samples], 0.5):.0f} us), engine step "
+                f"{_us([s[2] for s in window.samples], 0.5) / 1e3:.1f} ms "
+                f"(cpu {_us([s[4] for s in window.samples], 0.5) / 1e3:.1f} ms), other threads "
+                f"{others_s / wall:.2f} cores, {state}; "
                 f"median per step: {_top_hooks(got['hook_median_ns'])}"
             )
     return out
+
+
+def _other_cpu_s(engine: EngineChild) -> float:
+    """CPU seconds so far of the engine process's threads but the engine thread (the
+    child's main thread, whose thread id is the process id)."""
+    pid = engine.proc.pid
+    if pid is None:
+        return 0.0
+    return sum(cpu for tid, (_, cpu, _) in threads_of(pid).items() if tid != pid)
 
 
 def _top_hooks(median_ns: Mapping[str, float]) -> str:
@@ -318,7 +384,7 @@ def measure(plan: StepPlan, say: Say) -> list[Figure]:
             for connector in CONNECTORS:  # all four children load at once
                 pairs[connector] = _Pair(connector, model, plan)
             for pair in pairs.values():
-                pair.start()
+                pair.start(say)
             say(f"vllm-step: both engine pairs up in {time.monotonic() - start:.0f} s")
             windows = _measure_pairs(pairs, plan, prompt, say)
         finally:

@@ -19,7 +19,20 @@ it: tracked by the connector, never scheduled.
 
 Every step is one sample: connector nanoseconds on the scheduler side and on
 the worker side (read from the timed connector, :mod:`.step_timing`) and the
-whole ``LLMEngine.step()``.
+whole ``LLMEngine.step()``, each in wall time, and the engine thread's CPU
+time in the connector and in the whole step.
+
+Cores: the whole child runs on the cores its layout gives it (examples/pd_cpu:
+P on the first core, D on the last), every thread. The layout's
+``VLLM_CPU_OMP_THREADS_BIND`` is applied by vLLM's multiprocess executor only,
+not by the in-process engine this driver needs, so the child pins itself: before
+vLLM is imported (torch then sizes its OpenMP team to one core), and again after
+the engine is built, because stock NixlConnector on a CPU platform pins the
+thread that builds it to the last core of each NUMA node (vLLM's
+``base_worker.py``, "reserve different cores for start_load_kv()"). In process
+that thread is the engine thread, so both stock engines would share D's core,
+and the NIXL threads it starts inherit that core: stock's steps then take
+1.9-3.3x kvproto's (round 4 of issue 15), for a reason that is not its hooks.
 """
 
 from __future__ import annotations
@@ -44,8 +57,10 @@ BACKGROUND_PROMPT = "Every token attends to all the tokens that came before it."
 MAX_SAMPLES = 200_000
 """Steps kept between two reads (a cap, not a window: windows are read well before)."""
 
-Sample = tuple[int, int, int]
-"""(scheduler-side connector ns, worker-side connector ns, whole step ns) of one step."""
+Sample = tuple[int, int, int, int, int]
+"""One step: (scheduler-side connector ns, worker-side connector ns, whole step ns),
+in wall time, then the engine thread's CPU ns in the connector (both sides) and in
+the whole step."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -62,6 +77,8 @@ class EngineArgs:
     """D: priority scheduling and one running request, so remote requests stay queued."""
     max_num_seqs: int
     """Running requests at once (P: room for a batch of prefills beside the background)."""
+    cpus: tuple[int, ...]
+    """Cores every thread of the child runs on (its examples/pd_cpu layout)."""
     max_model_len: int = 512
     """Small, so the 1 GiB CPU KV cache holds many requests."""
 
@@ -87,6 +104,8 @@ class _Engine:
             seed=0,
         )
         self.init_s = time.perf_counter() - t0
+        self.built_on = _pin(args.cpus)
+        """The cores the engine thread was on once built, before the re-pin (stock's own)."""
         self.totals = TOTALS
         self.engine: Any = self.llm.llm_engine
         # InprocClient (VLLM_ENABLE_V1_MULTIPROCESSING=0): the engine core is in-process.
@@ -118,13 +137,15 @@ class _Engine:
 
     def step(self) -> None:
         self.totals.take()  # what ran between steps (add_request's hooks) is not a step
+        cpu_start = time.thread_time_ns()
         start = time.perf_counter_ns()
         outputs = self.engine.step()
         elapsed = time.perf_counter_ns() - start
-        ns, hooks = self.totals.take()
-        self.samples.append((ns["scheduler"], ns["worker"], elapsed))
+        step_cpu = time.thread_time_ns() - cpu_start
+        ns, cpu_ns, hooks = self.totals.take()
         for (side, hook), (_, hook_ns) in hooks.items():
             self.hook_ns.setdefault(f"{side}.{hook}", []).append(hook_ns)
+        self.samples.append((ns["scheduler"], ns["worker"], elapsed, max(0, cpu_ns), step_cpu))
         for out in outputs:
             if not out.finished:
                 continue
@@ -179,11 +200,23 @@ class _Engine:
         return {"running": running, "waiting": waiting, "held": held}
 
 
+def _pin(cpus: tuple[int, ...]) -> str:
+    """Every thread of this process onto ``cpus``; the cores the calling thread had."""
+    had = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+            os.sched_setaffinity(int(task), cpus)
+    return had
+
+
 def _child(conn: Any, args: EngineArgs) -> None:
     os.environ.update(args.env)
+    _pin(args.cpus)
     try:
         engine = _Engine(args)
-        conn.send(("ok", {"init_s": engine.init_s, "pid": os.getpid()}))
+        conn.send(
+            ("ok", {"init_s": engine.init_s, "pid": os.getpid(), "built_on": engine.built_on})
+        )
     except BaseException as exc:
         conn.send(("err", f"{exc!r}\n{traceback.format_exc()}"))
         return

@@ -1,12 +1,16 @@
 """Time a KV connector's hooks from inside vLLM's own engine step (the ``vllm-step`` suite).
 
 :func:`timed_connector_class` derives a class from a connector whose hook
-methods add their ``perf_counter_ns`` time to a per-role total; the engine
-driver (:mod:`.step_engine`) reads and resets the totals around each
+methods add their ``perf_counter_ns`` time (wall) and their
+``thread_time_ns`` time (the engine thread's CPU) to a per-role total; the
+engine driver (:mod:`.step_engine`) reads and resets the totals around each
 ``LLMEngine.step()``, so one sample is what the connector cost that step,
-scheduler side and worker side. Nothing of vLLM is patched: the derived class
-is loaded by vLLM's connector factory through ``kv_connector_module_path``
-(:mod:`.step_connectors`), and every call still runs the real hook.
+scheduler side and worker side. Wall time is what the step waits for; CPU
+time leaves out what the thread spent descheduled (another thread or process
+on its core), so it does not grow with the other load on the core. Nothing of
+vLLM is patched: the derived class is loaded by vLLM's connector factory
+through ``kv_connector_module_path`` (:mod:`.step_connectors`), and every call
+still runs the real hook.
 
 A hook that calls another hook (stock ``get_finished`` calls
 ``get_transfer_results``) is counted once: only the outermost call on an
@@ -46,15 +50,21 @@ class StepTotals:
 
     def __init__(self) -> None:
         self.ns = dict.fromkeys(SIDES, 0)
+        """Side -> wall nanoseconds."""
+        self.cpu_ns = 0
+        """The calling thread's CPU nanoseconds in hooks, both sides (one thread runs
+        both in an in-process engine)."""
         self.hooks: dict[tuple[str, str], tuple[int, int]] = {}
         """(side, hook) -> (calls, ns) since the last take: where a step's time goes."""
 
-    def take(self) -> tuple[dict[str, int], dict[tuple[str, str], tuple[int, int]]]:
-        """The per-side totals and per-hook (calls, ns) so far; both reset to zero."""
-        ns, hooks = self.ns, self.hooks
+    def take(self) -> tuple[dict[str, int], int, dict[tuple[str, str], tuple[int, int]]]:
+        """The per-side wall totals, the CPU total and the per-hook (calls, wall ns) so
+        far; all reset to zero."""
+        ns, cpu_ns, hooks = self.ns, self.cpu_ns, self.hooks
         self.ns = dict.fromkeys(SIDES, 0)
+        self.cpu_ns = 0
         self.hooks = {}
-        return ns, hooks
+        return ns, cpu_ns, hooks
 
 
 TOTALS = StepTotals()
@@ -79,11 +89,21 @@ def _timed(hook: str, method: Callable[..., Any]) -> Callable[..., Any]:
             # Not built yet, or a hook inside a hook (the outer call is timing it).
             return method(self, *args, **kwargs)
         self.__dict__["_bench_depth"] = 1
+        # The CPU clock is a system call (~1.6 us hot on this project's 2-core VM,
+        # more cold; perf_counter_ns ~0.08 us), read outside the wall interval so the
+        # wall figure does not carry it. The CPU interval carries about one read (the
+        # opening one's return, the closing one's entry); a second closing read
+        # measures that in CPU time, where it happens, and it is taken off.
+        cpu_start = time.thread_time_ns()
         start = time.perf_counter_ns()
         try:
             return method(self, *args, **kwargs)
         finally:
-            elapsed = time.perf_counter_ns() - start
+            end = time.perf_counter_ns()
+            cpu_end = time.thread_time_ns()
+            clock = time.thread_time_ns() - cpu_end
+            TOTALS.cpu_ns += cpu_end - cpu_start - clock
+            elapsed = end - start
             self.__dict__["_bench_depth"] = 0
             TOTALS.ns[side] += elapsed
             calls, total = TOTALS.hooks.get((side, hook), (0, 0))
