@@ -336,14 +336,21 @@ class NixlTransport:
 
     def poll(self) -> Sequence[TransportEvent]:
         """Drain notifications and check in-flight reads; never blocks."""
-        self._check()
+        # _check's two tests written out, and _check_reads called only with reads in
+        # flight: an engine polls at every step, where each Python call costs a few
+        # microseconds cold (spec/benchmarks.md, "vLLM step").
+        if self._closed or threading.get_ident() != self._owner:
+            self._check()  # raises: closed, or not the owner thread
         if (
             self._probe_interval is not None
             and self._clock() - self._last_probe >= self._probe_interval
         ):
             self.probe_peers()
         self._drain_notifications()
-        self._check_reads()
+        if self._reads:
+            self._check_reads()
+        if not self._events:
+            return []
         events = list(self._events)
         self._events.clear()
         return events
@@ -564,7 +571,7 @@ class NixlTransport:
             self._events.append(ReadFailed(read_id=read_id, reason=failed))
 
     def _check_reads(self) -> None:
-        if not self._reads:  # every poll and progress: no copy of an empty table
+        if not self._reads:  # progress calls it every time: no copy of an empty table
             return
         for read_id, read in list(self._reads.items()):
             if read_id not in self._reads:  # failed by a _lose earlier in this loop
