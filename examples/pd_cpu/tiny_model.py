@@ -33,7 +33,9 @@ HIDDEN_SIZE = 64
 NUM_LAYERS = 2
 NUM_HEADS = 2
 VOCAB_SIZE = 1000
-MAX_POSITIONS = 2048
+MAX_POSITIONS = 16384
+"""The longest context an engine may serve (RoPE has no learned positions, so this costs
+nothing); long enough that a request can keep a decode slot busy for tens of seconds."""
 SEED = 1234
 
 #: Plain "role: content" lines, then "assistant:" when a reply is wanted.

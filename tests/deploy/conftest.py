@@ -75,11 +75,13 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 def deploy_model(tmp_path_factory: pytest.TempPathFactory) -> ModelSpec:
     """The tiny random Llama every server of the deployment tests loads."""
     require_deployment()
-    from examples.pd_cpu.tiny_model import build_tiny_llama
+    from examples.pd_cpu.tiny_model import MAX_POSITIONS, build_tiny_llama
 
     path = build_tiny_llama(tmp_path_factory.mktemp("deploy-model"))
-    # The model's whole context (2,048), so a kill test can keep D's slots busy for seconds.
-    return ModelSpec(path=path, max_model_len=2048)
+    # The model's whole context, so a kill test can keep D's slots busy for tens of seconds
+    # (~16k decode steps): at 2,048 they freed after ~5 s, sometimes before a burst had
+    # reached D's queue (P's prefill of 16 under CI load took 2-7 s).
+    return ModelSpec(path=path, max_model_len=MAX_POSITIONS)
 
 
 @pytest.fixture(scope="session")

@@ -44,8 +44,9 @@ MAX_TOKENS = 8
 DECODE_SEQS = 4
 """D runs four requests at once; the rest of a burst waits in D's queue, heartbeated."""
 KILL_TOKENS = 16
-OCCUPY_TOKENS = 2000
-"""Answers of the local requests that keep D's running slots busy during a kill burst."""
+OCCUPY_PROMPT_TOKENS = 64
+"""More than an ``occupy {i}`` prompt tokenizes into; the rest of the context is its answer,
+which keeps one of D's running slots busy through a kill burst."""
 HOLDER = "vllm:kvproto_holder_"
 
 
@@ -260,7 +261,11 @@ def test_decode_killed_mid_burst_frees_its_leases_at_once(
         model = str(pd.model.path)
         for i in range(DECODE_SEQS):
             pool.submit(
-                complete, pd.decode_spec.url, model, f"occupy {i}", max_tokens=OCCUPY_TOKENS
+                complete,
+                pd.decode_spec.url,
+                model,
+                f"occupy {i}",
+                max_tokens=pd.model.max_model_len - OCCUPY_PROMPT_TOKENS,
             )
         wait_for(lambda: _running(pd.decode_spec.url) >= DECODE_SEQS, 30.0)
         burst = _burst(pd, pool, prompts, KILL_TOKENS)
@@ -271,6 +276,7 @@ def test_decode_killed_mid_burst_frees_its_leases_at_once(
             wait_for(lambda: _holder(pd).get("leases_held", 0.0) > 0, 60.0)
         time.sleep(max(0.0, started + delay - time.monotonic()) if moment == "early" else delay)
         held_at_kill = _holder(pd).get("leases_held", 0.0)
+        occupied_at_kill = _running(pd.decode_spec.url)
         killed_at = time.monotonic()
         pd.procs["decode-0"].kill(wait=False)
         held_free_s = wait_for(lambda: _holder(pd).get("leases_held", 0.0) == 0, 5.0)
@@ -289,8 +295,10 @@ def test_decode_killed_mid_burst_frees_its_leases_at_once(
     assert held_free_s <= 1.0, held_free_s
     assert answered + failed == 16
     log = p_log.read_text(errors="replace")[log_offset:]
+    # The set-up held: the local work still had D's slots, so the burst was queued, not served.
+    assert occupied_at_kill >= DECODE_SEQS, (occupied_at_kill, ended)
     if moment == "claimed":
-        assert held_at_kill >= 1 and ended["peer_lost"] >= 1
+        assert held_at_kill >= 1 and ended["peer_lost"] >= 1, (held_at_kill, ended)
     if ended["peer_lost"]:
         warned = [line for line in log.splitlines() if "lost:" in line and "PEER_LOST" in line]
         assert warned, "no WARNING names the lost decoder"
