@@ -54,6 +54,8 @@ PAUSE_S = 0.0
 their own core, examples/pd_cpu's OpenMP binding). A pause would only let other
 work evict the caches before the next step's hooks, in both columns."""
 BACKGROUND_PROMPT = "Every token attends to all the tokens that came before it."
+LEASE_ENDS = ("released_done", "expired", "peer_lost", "aborted", "revoked", "max_hold")
+"""kvproto holder counters of leases ended, shown with P's state after each window."""
 MAX_SAMPLES = 200_000
 """Steps kept between two reads (a cap, not a window: windows are read well before)."""
 
@@ -194,10 +196,18 @@ class _Engine:
         self.stepping = True
 
     def cmd_state(self) -> dict[str, int]:
-        """Requests running, queued, and finished but held for a reader (P's leases)."""
+        """Requests running, queued, and finished but held for a reader (P's leases);
+        on kvproto's holder also how its leases have ended so far (a lease lost in a
+        window says how)."""
         running, waiting = self.scheduler.get_request_counts()
         held = len(self.scheduler.requests) - running - waiting
-        return {"running": running, "waiting": waiting, "held": held}
+        state = {"running": running, "waiting": waiting, "held": held}
+        kv = importlib.import_module("vllm.distributed.kv_transfer.kv_transfer_state")
+        worker = getattr(kv.get_kv_transfer_group(), "_worker", None)  # kvproto's WorkerSide
+        if worker is not None and worker.holder_side is not None:
+            counts = worker.stats_snapshot()
+            state.update((k, counts.get(f"holder_{k}", 0)) for k in LEASE_ENDS)
+        return state
 
 
 def _pin(cpus: tuple[int, ...]) -> str:
