@@ -51,7 +51,7 @@ from typing import Any
 
 PAUSE_S = 0.0
 """Wait for a command between steps: none, as vLLM's busy loop (P and D each have
-their own core, examples/pd_cpu's OpenMP binding). A pause would only let other
+their own core, the layout's, to which the child pins itself). A pause would only let other
 work evict the caches before the next step's hooks, in both columns."""
 BACKGROUND_PROMPT = "Every token attends to all the tokens that came before it."
 LEASE_ENDS = ("released_done", "expired", "peer_lost", "aborted", "revoked", "max_hold")
@@ -147,6 +147,7 @@ class _Engine:
         ns, cpu_ns, hooks = self.totals.take()
         for (side, hook), (_, hook_ns) in hooks.items():
             self.hook_ns.setdefault(f"{side}.{hook}", []).append(hook_ns)
+        # max: the clock correction (step_timing) can overshoot a near-empty step a little.
         self.samples.append((ns["scheduler"], ns["worker"], elapsed, max(0, cpu_ns), step_cpu))
         for out in outputs:
             if not out.finished:
