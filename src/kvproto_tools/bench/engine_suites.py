@@ -5,7 +5,8 @@ Both start real vLLM engines on the locally built tiny Llama of
 ``examples/pd_cpu/cluster.py``. Those are example code in the source tree, not
 part of the installed package, so these suites run from a source checkout
 with vLLM installed; otherwise they stop before measuring anything, saying
-which of the two is missing.
+which of the two is missing. Both also read where an engine's CPU went, thread
+by thread (:func:`threads_of`).
 """
 
 from __future__ import annotations

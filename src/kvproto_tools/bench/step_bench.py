@@ -92,9 +92,9 @@ class Window:
     """One per engine step in the window."""
     requests: int
     """Held (P) or queued (D) when the window closed, read from the scheduler."""
-    wall_s: float = 0.0
+    wall_s: float
     """The window's wall time."""
-    other_cpu_s: float = 0.0
+    other_cpu_s: float
     """CPU seconds the engine process's threads other than the engine thread used in it."""
 
 
