@@ -27,7 +27,10 @@ bytes on each side; the per-lease proofs (claims, dones) are unchanged.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import struct
+from collections.abc import Callable
 
 KEY_BYTES = 16
 PROOF_BYTES = 16
@@ -126,6 +129,9 @@ def refusal_key(token: bytes, nonce: bytes, secret: bytes | None) -> bytes:
     return key[:KEY_BYTES]
 
 
+_VERDICT_DOMAIN = b"kvproto-verdict\x00"
+
+
 def verdict_proof(
     token: bytes, *, lease: int, verdict: int, reader_engine: str, reader_rank: int
 ) -> bytes:
@@ -137,7 +143,7 @@ def verdict_proof(
     """
     data = b"".join(
         (
-            b"kvproto-verdict\x00",
+            _VERDICT_DOMAIN,
             reader_engine.encode(),
             b"\x00",
             _u64(reader_rank),
@@ -146,3 +152,15 @@ def verdict_proof(
         )
     )
     return hashlib.blake2b(data, key=token, digest_size=PROOF_BYTES).digest()
+
+
+def verdict_message(reader_engine: str, reader_rank: int) -> Callable[[int, int], bytes]:
+    """What :func:`verdict_proof` hashes for one reader rank: ``message(lease, verdict)``.
+
+    For the holder, which answers each of a session's dones: the engine and rank
+    part is packed once a session, and each message is then one C call (a struct
+    pack of that part, the lease and the verdict), where :func:`verdict_proof`
+    encodes and joins six parts a proof. Lease ids and verdicts are uint64s.
+    """
+    head = _VERDICT_DOMAIN + reader_engine.encode() + b"\x00" + _u64(reader_rank)
+    return functools.partial(struct.Struct(f">{len(head)}sQQ").pack, head)

@@ -24,6 +24,7 @@ Cost model (the reason for the data structures):
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import hmac
 import math
@@ -59,7 +60,14 @@ from kvproto.states import (
     peer_session_next,
 )
 from kvproto.stats import HolderStats, counts_of
-from kvproto.ticket import TOKEN_BYTES, LeaseMint, LeaseTicket, claim_prover, ticket_problem
+from kvproto.ticket import (
+    PROOF_BYTES,
+    TOKEN_BYTES,
+    LeaseMint,
+    LeaseTicket,
+    claim_message,
+    ticket_problem,
+)
 from kvproto.tpmath import expected_consumers, target_remote_ranks
 from kvproto.transport import PeerId
 from kvproto.wire import DoneVerdict, RejectReason
@@ -104,6 +112,7 @@ class _Session:
     __slots__ = (
         "attempt",
         "bucket",
+        "claim_message",
         "deadline",
         "down",
         "engine",
@@ -119,6 +128,7 @@ class _Session:
         "server_nonce",
         "tp_size",
         "up",
+        "verdict_message",
         "window",
     )
 
@@ -150,6 +160,10 @@ class _Session:
         self.heap_due: float | None = None
         self.window = ReplayWindow()
         self.leases = leases
+        # What the session's claim and verdict proofs hash, each packed per lease: the
+        # engine and rank never change for a session (a Hello naming others is refused).
+        self.claim_message = claim_message(hello.engine)
+        self.verdict_message = auth.verdict_message(hello.engine, hello.rank)
 
 
 class Holder:
@@ -659,6 +673,7 @@ class Holder:
         """
         table = self._leases
         states, own, hard = table.states, table.own, table.hard
+        terminal, row, held_state, granted = TERMINAL, _CLAIM_ROW, HELD, GRANTED
         members = table.members
         holder_col = members.holder
         attach = members.attach
@@ -670,22 +685,23 @@ class Holder:
         attached = False
         promoted = 0
         for claim, slot in zip(claims, self._check_claims(session, claims), strict=True):
-            if slot is None or TERMINAL[states[slot]]:
-                lost.append(claim.lease)
+            lease = claim.lease
+            if slot is None or terminal[states[slot]]:
+                lost.append(lease)
                 continue
             if leases.count >= cap and not members.holds(slot, serial):
                 self.stats.limit_refusals += 1
-                lost.append(claim.lease)
+                lost.append(lease)
                 continue
             # A claim of a lease the session renews already is the (HELD, CLAIM) row: no change.
             old = states[slot]
-            new = _CLAIM_ROW[old]
-            if new == HELD and old == GRANTED:
+            new = row[old]
+            if new == held_state and old == granted:
                 states[slot] = new  # the table's row; the gauges move once, after the loop
                 promoted += 1
             elif new != old:
                 self._transition(slot, _IN_CLAIM)
-            attach(slot, leases, claim.lease)
+            attach(slot, leases, lease)
             attached = True
             # Just attached: renewed by this session alone unless others renew it too.
             # max and min as expressions (a call to either costs more than the claim's
@@ -696,7 +712,7 @@ class Holder:
             else:
                 until = self._live_until(slot)
             stop = hard[slot]
-            held.append((claim.lease, (stop if stop < until else until) - now))
+            held.append((lease, (stop if stop < until else until) - now))
         self._granted -= promoted
         self._held += promoted
         if attached and session.heap_due is None and deadline != _NEVER_RENEWED:
@@ -712,34 +728,39 @@ class Holder:
         is taken once, not per lease.
         """
         table = self._leases
-        find, owners, states, tokens = table.slot, table.claimer, table.states, table.tokens
+        home, mask, ids, overflow = table.index()
+        owners, states, tokens, terminal = table.claimer, table.states, table.tokens, TERMINAL
         engines = table.claimers.engines
         engine = session.engine
-        prove = claim_prover(engine)
+        message = session.claim_message
+        blake2b, compare, width = hashlib.blake2b, hmac.compare_digest, TOKEN_BYTES
         stats = self.stats
         code = UNCLAIMED
         new_owned = 0
         slots: list[int | None] = []
         for claim in claims:
             lease = claim.lease
-            slot = find(lease)
-            if slot is None:
-                stats.unknown_lease += 1
-                slots.append(None)
-                continue
+            slot = home[lease & mask]  # table.slot, inline
+            if slot < 0 or ids[slot] != lease:
+                slot = overflow.get(lease, -1) if overflow else -1
+                if slot < 0:
+                    stats.unknown_lease += 1
+                    slots.append(None)
+                    continue
             owner = engines[owners[slot]]  # table.owner, inline
             if owner is not None and owner != engine:
                 stats.owner_mismatch += 1
                 slots.append(None)
                 continue
-            start = slot * TOKEN_BYTES
-            if not hmac.compare_digest(
-                prove(tokens[start : start + TOKEN_BYTES], lease), claim.proof
-            ):
+            # claim_proof(token, engine, lease), the token sliced from its column
+            start = slot * width
+            token = tokens[start : start + width]
+            proof = blake2b(message(lease), key=token, digest_size=PROOF_BYTES).digest()
+            if not compare(proof, claim.proof):
                 stats.bad_proof += 1
                 slots.append(None)
                 continue
-            if owner is None and not TERMINAL[states[slot]]:
+            if owner is None and not terminal[states[slot]]:
                 if code == UNCLAIMED:
                     code = table.claimers.acquire(engine, session.tp_size, session.expected)
                 new_owned += 1
@@ -790,13 +811,10 @@ class Holder:
         verdict = _VERDICT_REFUSED if slot is None else self._apply_done(now, session, slot)
         proof = b""
         if slot is not None and verdict is _VERDICT_HELD:
-            proof = auth.verdict_proof(
-                self._leases.token(slot),
-                lease=claim.lease,
-                verdict=verdict,
-                reader_engine=session.engine,
-                reader_rank=session.rank,
-            )
+            # auth.verdict_proof(token, lease=..., verdict=..., reader_engine=..., reader_rank=...)
+            message = session.verdict_message(claim.lease, verdict)
+            token = self._leases.token(slot)
+            proof = hashlib.blake2b(message, key=token, digest_size=auth.PROOF_BYTES).digest()
         self._send_session(session, wire.DoneAck(lease=claim.lease, verdict=verdict, proof=proof))
 
     def _done_input(self, session: _Session, slot: int) -> LeaseInput:

@@ -137,6 +137,12 @@ class LeaseTable:
         overflow = self._overflow
         return overflow.get(lease_id) if overflow else None
 
+    def index(self) -> tuple[array[int], int, array[int], dict[int, int]]:
+        """(home, mask, ids, overflow): what :meth:`slot` reads, for a caller that looks
+        up many ids in one loop (a frame's claims) in which no lease is added or
+        forgotten (adding one may replace the index)."""
+        return self._home, self._mask, self.ids, self._overflow
+
     def slot_of_request(self, request_id: str) -> int | None:
         """The slot of the lease of ``request_id``, or None."""
         return self.requests.find(request_id)
