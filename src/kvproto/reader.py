@@ -64,7 +64,7 @@ from kvproto.states import (
     read_next,
 )
 from kvproto.stats import ReaderStats
-from kvproto.ticket import LeaseTicket, claim_proof, ticket_problem
+from kvproto.ticket import LeaseTicket, claim_prover, ticket_problem
 from kvproto.tpmath import read_slices
 from kvproto.transport import PeerId
 
@@ -114,7 +114,6 @@ class Reader:
         self.stats = ReaderStats()
         self._drift = config.drift
         self._requests: dict[str, Request] = {}
-        self._by_lease: dict[tuple[str, int], str] = {}
         self._sessions: dict[SessionKey, Session] = {}
         """The sessions by holder rank; :class:`HolderSessions` alone makes them."""
         self._dones = AwaitedDones(self._requests, self._sessions, config)
@@ -131,6 +130,11 @@ class Reader:
             awaiting=self._dones.of_session,
         )
         self._timers = holders.timers  # track schedules the claim's heartbeat itself
+        self._routes = holders.routes  # and reads the route cache before asking for a route
+        self._by_lease = holders.by_lease
+        """Holder engine → lease id → request id (each engine's sessions share its dict)."""
+        self._prove = claim_prover(engine)
+        """The claim proof of a ticket, with this reader's engine in it prepared once."""
         self._deferrals = Deferrals(self._requests, self._sessions, config.ack_timeout)
         self._wake = _UNKNOWN
         """The next time timer work is due (inf: none), as :meth:`get_timer` last found it;
@@ -153,60 +157,74 @@ class Reader:
         if request_id in requests:
             raise LocalProtocolError(f"request {request_id!r} is already tracked")
         self.stats.tracked += 1
-        holders = self._holders
-        sessions: tuple[Session, ...] = ()
         # First: the ticket bounds holder_tp_size before it picks the sessions.
-        if ticket_problem(ticket) is None:
-            route = holders.routes.get((ticket.holder_engine, ticket.holder_tp_size))
-            sessions = holders.route(ticket) if route is None else route
-        proof = claim_proof(ticket.token, self.engine, ticket.lease) if sessions else b""
-        parts = {}
-        for session in sessions:
-            parts[session.rank] = Part(session.rank)
-        req = requests[request_id] = Request(request_id, ticket, proof, now, parts)
+        if ticket_problem(ticket) is not None:
+            sessions: tuple[Session, ...] = ()
+        else:
+            route = self._routes.get((ticket.holder_engine, ticket.holder_tp_size))
+            sessions = self._holders.route(ticket) if route is None else route
         if not sessions:
+            req = requests[request_id] = Request(request_id, ticket, b"", now, {})
             self._fail(now, req, FailReason.BAD_TICKET)
             return
-        restarted = []
+        lease = ticket.lease
+        proof = self._prove(ticket.token, lease)
+        # One pass makes the parts and checks the ticket against every session; the
+        # checks only read, so the first problem found is the one the request fails with.
+        parts = {}
+        problem: FailReason | None = None
+        restarted: list[Session] | None = None  # None, not []: a track rarely meets one
         for session in sessions:
+            parts[session.rank] = Part(session.rank)
             incarnation = session.incarnation
-            if incarnation is None:
+            if incarnation is None or problem is not None:
                 continue  # not welcomed yet: nothing to check against (no clock sample either)
             if incarnation != ticket.holder_incarnation:
                 if ticket.holder_incarnation in session.stale_incarnations:
-                    self._fail(now, req, FailReason.HOLDER_RESTARTED)
-                    return
+                    problem = FailReason.HOLDER_RESTARTED
                 # A ticket from an incarnation this session has not met: the holder
                 # probably restarted (then every later ticket is of the new one). Say
                 # Hello again; the Welcome tells which requests hold dead tickets.
-                restarted.append(session)
+                elif restarted is None:
+                    restarted = [session]
+                else:
+                    restarted.append(session)
             elif session.skew.known and bounds.ticket_bound(session.skew, ticket, now) <= now:
-                self._fail(now, req, FailReason.BAD_TICKET)
-                return
-        for session in restarted:
-            session.parked.append(request_id)
-            if session.state is _OPEN:
-                holders.rehello(now, session)
+                problem = FailReason.BAD_TICKET
+        req = requests[request_id] = Request(request_id, ticket, proof, now, parts)
+        if problem is not None:
+            self._fail(now, req, problem)
+            return
+        if restarted is not None:
+            self._park(now, request_id, restarted)
         # What _attach and Beats.hold do, flattened: every request takes this path, and
         # each call was ~0.5k instructions of it. The route's sessions are all of the
-        # ticket's engine: one index entry serves them.
-        lease = ticket.lease
-        if not restarted or len(restarted) < len(sessions):
-            self._by_lease[(ticket.holder_engine, lease)] = request_id
+        # ticket's engine and share its index: one entry serves them.
+        if restarted is None or len(restarted) < len(sessions):
+            sessions[0].by_lease[lease] = request_id
         for session in sessions:
-            if session.state not in NEED_KEEPS_STATE:
-                holders.need(session)
-            if restarted and session in restarted:
+            state = session.state
+            if state not in NEED_KEEPS_STATE:
+                self._holders.need(session)
+                state = session.state
+            if restarted is not None and session in restarted:
                 continue
             beats = session.beats
             beats.leases.add(lease, request_id)
             beats.pending_claims[lease] = proof
-            if session.state is _OPEN:
+            if state is _OPEN:
                 # The claim leaves at the binding's next pump, not at the next tick:
                 # until the holder has it the lease is not tied to this reader, so the
                 # reader's death would free it only by expiry. Tracks of one engine
                 # step still share one heartbeat; the tick is counted from it.
                 self._timers.schedule(session, now)
+
+    def _park(self, now: float, request_id: str, restarted: list[Session]) -> None:
+        """Hold the request back on sessions whose holder it may have outlived (see track)."""
+        for session in restarted:
+            session.parked.append(request_id)
+            if session.state is _OPEN:
+                self._holders.rehello(now, session)
 
     def finish(self, now: float, request_id: str) -> None:
         """The request left the scheduler (finished, aborted, rejected): stop tracking it.
@@ -505,7 +523,7 @@ class Reader:
     def _attach(self, session: Session, req: Request) -> None:
         """The session heartbeats ``req``'s lease from now on (claim in the next beat)."""
         lease = req.ticket.lease
-        self._by_lease[(session.engine, lease)] = req.request_id
+        session.by_lease[lease] = req.request_id
         session.beats.hold(lease, req.request_id, req.proof)
 
     def _release(self, now: float, session: Session, lease: int, request_id: str) -> bool:
@@ -572,7 +590,7 @@ class Reader:
         self._fail(now, req, reason)
 
     def _find(self, session: Session, lease: int) -> tuple[Request | None, Part | None]:
-        rid = self._by_lease.get((session.engine, lease))
+        rid = session.by_lease.get(lease)
         req = None if rid is None else self._requests.get(rid)
         return req, None if req is None else req.parts.get(session.rank)
 
@@ -598,6 +616,8 @@ class Reader:
 
     def _pop(self, req: Request) -> None:
         del self._requests[req.request_id]
-        key = (req.ticket.holder_engine, req.ticket.lease)
-        if self._by_lease.get(key) == req.request_id:  # lease ids repeat across incarnations
-            del self._by_lease[key]
+        index = self._by_lease.get(req.ticket.holder_engine)
+        lease = req.ticket.lease
+        # Lease ids repeat across holder incarnations: the entry may be a newer request's.
+        if index is not None and index.get(lease) == req.request_id:
+            del index[lease]

@@ -36,14 +36,16 @@ _IDLE = SessionState.IDLE
 _OPEN = SessionState.OPEN
 _ON_NEED = SessionInput.NEED  # read on every track: a global, not an Enum descriptor
 _STALE_KEEP = 16
-NEED_KEEPS_STATE = frozenset(
+NEED_KEEPS_STATE = tuple(
     state
     for (state, event), after in SESSION_TRANSITIONS.items()
     if event is _ON_NEED and after is state
 )
 """The states whose NEED row leaves them as they are, read off the table at import:
 every track needs its sessions, and in these states :meth:`Session.need` would
-change nothing and ask for no connection, so the reader skips the call."""
+change nothing and ask for no connection, so the reader skips the call. A tuple, not
+a frozenset: a tuple finds a member by identity, where a set would hash it through
+Enum's Python-level ``__hash__`` on every track."""
 _T = TypeVar("_T")
 
 
@@ -137,6 +139,10 @@ class Session:
     parked: list[str] = field(default_factory=list)
     """Requests whose ticket names an incarnation not yet met: held back until the
     Welcome says whether it is the holder's (lease ids repeat across incarnations)."""
+    by_lease: dict[int, str] = field(default_factory=dict)
+    """Lease id → the request whose lease it is, for every session of this holder engine:
+    one dict they share (:class:`~kvproto.reader_sessions.HolderSessions` hands it over),
+    so a frame naming a lease finds its request with no (engine, lease) key to build."""
 
     def __post_init__(self) -> None:
         self.skew = SkewEstimator(max_drift_ppm=self.side.config.max_drift_ppm)

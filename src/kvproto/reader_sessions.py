@@ -74,6 +74,9 @@ class HolderSessions:
         self.timers = SessionTimers()
         self.out: list[ReaderOutput] = []
         """The reader's output list: the reader points this at its new one on each drain."""
+        self.by_lease: dict[str, dict[int, str]] = {}
+        """Holder engine → its sessions' shared :attr:`Session.by_lease` (the reader's
+        index of requests by lease id; it keeps it, this only makes one per engine)."""
         self.routes: dict[tuple[str, int], tuple[Session, ...]] = {}
         """(holder engine, holder TP size) → the sessions a ticket of it is tracked on, in
         holder rank order (empty: the TP sizes do not divide); filled by :meth:`route`,
@@ -97,7 +100,10 @@ class HolderSessions:
     def _session(self, engine: str, rank: int) -> Session:
         session = self.table.get((engine, rank))
         if session is None:
-            session = Session(self._side, engine=engine, rank=rank, serial=len(self.table))
+            by_lease = self.by_lease.setdefault(engine, {})
+            session = Session(
+                self._side, engine=engine, rank=rank, serial=len(self.table), by_lease=by_lease
+            )
             self.table[(engine, rank)] = session
         return session
 
