@@ -94,7 +94,6 @@ def ticket_problem(ticket: LeaseTicket) -> str | None:
     infinite times defeat every deadline comparison.
     """
     p = ticket.params
-    finite = math.isfinite
     if len(ticket.token) != TOKEN_BYTES:
         return f"token must be {TOKEN_BYTES} bytes"
     if not 1 <= ticket.lease <= MAX_ID:
@@ -103,15 +102,20 @@ def ticket_problem(ticket: LeaseTicket) -> str | None:
         return "holder incarnation outside uint64"
     if not 1 <= ticket.holder_tp_size <= MAX_HOLDER_TP:
         return f"holder TP size {ticket.holder_tp_size} outside 1..{MAX_HOLDER_TP}"
-    if not (
+    # Every track and adopt checks a ticket: one test of the sum first. A sum is finite
+    # only if every term is (an inf or a NaN term makes it inf or NaN); a finite sum
+    # settles it, and only a sum that is not (a bad term, or an overflow) looks closer.
+    finite = math.isfinite
+    total = p.duration + p.interval + p.extension + ticket.expires_in + ticket.deadline
+    if not finite(total) and not (
         finite(p.duration)
         and finite(p.interval)
         and finite(p.extension)
         and finite(ticket.expires_in)
         and finite(ticket.deadline)
-    ):  # spelt out, not all(genexpr): every track and adopt checks a ticket
+    ):
         return "non-finite time"
-    if p.max_hold is not None and not (math.isfinite(p.max_hold) and p.max_hold > 0):
+    if p.max_hold is not None and not (finite(p.max_hold) and p.max_hold > 0):
         return "max_hold must be a positive number of seconds"
     if not 1 <= p.interval < p.extension <= p.duration:
         return "lease parameters are nonsense"
@@ -144,11 +148,10 @@ def claim_message(reader_engine: str) -> Callable[[int], bytes]:
 def claim_prover(reader_engine: str) -> Callable[[bytes | bytearray, int], bytes]:
     """:func:`claim_proof` for one claiming engine: ``prove(token, lease)``.
 
-    For a holder checking a frame of claims from one session: the message's
-    engine part is built once, not per claim. :func:`claim_proof` stays one
-    plain call for the reader's one proof a ticket; the message is the same
-    (domain, engine, lease), and every claim a reader sends to a holder checks
-    one against the other.
+    For a holder checking a frame of claims from one session, and for a reader
+    proving each ticket it tracks: the message's engine part is built once, not
+    per claim. The message is the same as :func:`claim_proof`'s (domain, engine,
+    lease), and every claim a reader sends to a holder checks one against the other.
     """
     head = _CLAIM_DOMAIN + reader_engine.encode() + b"\x00"
     blake2b = hashlib.blake2b

@@ -15,7 +15,14 @@ from kvproto.errors import LocalProtocolError, RemoteProtocolError
 from kvproto.events import FailReason
 from kvproto.holder import Holder
 from kvproto.reader import Reader
-from kvproto.ticket import MAX_HOLDER_TP, PROOF_BYTES, LeaseTicket, claim_proof, claim_prover
+from kvproto.ticket import (
+    MAX_HOLDER_TP,
+    PROOF_BYTES,
+    LeaseTicket,
+    claim_proof,
+    claim_prover,
+    ticket_problem,
+)
 
 from .pair import counter_entropy
 
@@ -138,6 +145,28 @@ def params_with(**changes: Any) -> dict[str, Any]:
 def test_bad_params_are_a_remote_protocol_error(bad: dict[str, Any]) -> None:
     with pytest.raises(RemoteProtocolError):
         LeaseTicket.from_params(bad)
+
+
+@pytest.mark.parametrize("field", ["duration", "interval", "extension", "expires_in", "deadline"])
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+def test_each_non_finite_time_is_named(field: str, value: float) -> None:
+    times: dict[str, float] = {"duration": 30, "interval": 5, "extension": 20}
+    ticket_times: dict[str, float] = {"expires_in": 30.0, "deadline": 1030.0}
+    (times if field in times else ticket_times)[field] = value
+    ticket = make_ticket(params=LeaseParams(**times), **ticket_times)
+    assert ticket_problem(ticket) == "non-finite time"
+
+
+def test_finite_times_whose_sum_overflows_are_finite() -> None:
+    # ticket_problem tests the times' sum first; an overflowing sum is no bad time.
+    huge = 1e308
+    ticket = make_ticket(
+        params=LeaseParams(duration=huge, interval=5, extension=huge),
+        expires_in=huge,
+        deadline=huge,
+    )
+    assert not math.isfinite(huge + huge)
+    assert ticket_problem(ticket) is None
 
 
 @pytest.mark.parametrize("bad", [None, 5, "ticket", ["token"], b"\x00"])
