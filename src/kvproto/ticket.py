@@ -148,16 +148,16 @@ def claim_message(reader_engine: str) -> Callable[[int], bytes]:
 def claim_prover(reader_engine: str) -> Callable[[bytes | bytearray, int], bytes]:
     """:func:`claim_proof` for one claiming engine: ``prove(token, lease)``.
 
-    For a holder checking a frame of claims from one session, and for a reader
-    proving each ticket it tracks: the message's engine part is built once, not
-    per claim. The message is the same as :func:`claim_proof`'s (domain, engine,
-    lease), and every claim a reader sends to a holder checks one against the other.
+    For a reader proving each ticket it tracks: the message is
+    :func:`claim_message`'s, its engine part packed once. It is the same as
+    :func:`claim_proof`'s (domain, engine, lease), and every claim a reader sends
+    to a holder checks one against the other.
     """
-    head = _CLAIM_DOMAIN + reader_engine.encode() + b"\x00"
+    message = claim_message(reader_engine)
     blake2b = hashlib.blake2b
 
     def prove(token: bytes | bytearray, lease: int) -> bytes:
-        return blake2b(head + lease.to_bytes(8, "big"), key=token, digest_size=PROOF_BYTES).digest()
+        return blake2b(message(lease), key=token, digest_size=PROOF_BYTES).digest()
 
     return prove
 
