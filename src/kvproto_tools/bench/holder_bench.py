@@ -218,7 +218,8 @@ def _mac(fx: HolderFixture, plan: Plan) -> list[Figure]:
     Timed as the holder pays it: one keyed BLAKE2b to check the incoming frame and one to
     sign its answer (the answer's MAC is the same hash over a frame of similar size). A
     claim pays its share of its frame's MAC; a done pays the frame's MAC, the HELD
-    verdict's per-lease proof and the answer's MAC. None of it grows with N.
+    verdict's per-lease proof (its message's engine and rank part packed once a session,
+    as the holder does) and the answer's MAC. None of it grows with N.
     """
     key = fx.session_key()
     ids = [x.lease for x in fx.tickets]
@@ -243,9 +244,12 @@ def _mac(fx: HolderFixture, plan: Plan) -> list[Figure]:
     def per_claim_frame() -> None:
         wire.verify(key, claim_frame)
 
+    verdict_message = auth.verdict_message("D", 0)  # as the holder packs it, once a session
+    blake2b = hashlib.blake2b
+
     def per_done() -> None:
         wire.verify(key, done)
-        auth.verdict_proof(t.token, lease=t.lease, verdict=0, reader_engine="D", reader_rank=0)
+        blake2b(verdict_message(t.lease, 0), key=t.token, digest_size=auth.PROOF_BYTES).digest()
         wire.verify(key, done_ack)
 
     hb_ns, _ = paired_ns(per_heartbeat, per_heartbeat, batch=plan.hb_batch, repeats=repeats)
