@@ -138,8 +138,9 @@ def claim_message(reader_engine: str) -> Callable[[int], bytes]:
 
     The engine's part is packed once; each lease's message is then one C call
     (a struct pack of that part and the lease), not a method call and a
-    concatenation. For the holder, which checks a frame of claims from one
-    session in one loop and hashes each message under its lease's token there.
+    concatenation. The holder checks a frame of claims from one session in one
+    loop and hashes each message under its lease's token there; a reader's
+    :func:`claim_prover` hashes it as well.
     """
     head = _CLAIM_DOMAIN + reader_engine.encode() + b"\x00"
     return functools.partial(struct.Struct(f">{len(head)}sQ").pack, head)
