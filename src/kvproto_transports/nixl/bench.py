@@ -236,10 +236,12 @@ def _got(t: NixlTransport, other: NixlTransport, match: Callable[[TransportEvent
     as a raw NIXL loop drops what it does not look for.
     """
     other.progress()
-    events = t.poll()
-    if any(isinstance(e, ReadFailed) for e in events):
-        raise RuntimeError(f"READ failed: {events}")
-    return any(match(e) for e in events)
+    found = False
+    for event in t.poll():  # one pass, as the raw loop's one scan of its notifications
+        if isinstance(event, ReadFailed):
+            raise RuntimeError(f"READ failed: {event}")
+        found = found or match(event)
+    return found
 
 
 if __name__ == "__main__":  # python -m kvproto_transports.nixl.bench

@@ -320,7 +320,8 @@ class NixlTransport:
 
     def send(self, peer: PeerId, payload: bytes) -> None:
         """``send_notif``; a NIXL error marks the peer lost and raises PeerUnreachable."""
-        self._check()
+        if self._closed or threading.get_ident() != self._owner:
+            self._check()  # raises: closed, or not the owner thread (written out, as in poll)
         if self._max is not None and len(payload) > self._max:
             raise FrameTooLarge(f"{len(payload)} bytes > max_notification_size {self._max}")
         self._send(self._peer(peer), bytes(payload))
@@ -373,9 +374,11 @@ class NixlTransport:
         progress thread and polls only some of them at a time (the conformance
         kit's group): the others' sends and served READs still move.
         """
-        self._check()
+        if self._closed or threading.get_ident() != self._owner:
+            self._check()  # raises: closed, or not the owner thread (written out, as in poll)
         self._drain_notifications()
-        self._check_reads()
+        if self._reads:
+            self._check_reads()
 
     # --- memory and reads ------------------------------------------------
 
@@ -589,8 +592,7 @@ class NixlTransport:
             self._events.append(ReadFailed(read_id=read_id, reason=failed))
 
     def _check_reads(self) -> None:
-        if not self._reads:  # progress calls it every time: no copy of an empty table
-            return
+        # Its callers (poll, progress) call it only with reads in flight.
         for read_id, read in list(self._reads.items()):
             if read_id not in self._reads:  # failed by a _lose earlier in this loop
                 continue
