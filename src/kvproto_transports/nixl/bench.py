@@ -16,18 +16,16 @@ over UCX's TCP transport moves only while the holder polls too.
 What the raw floor leaves out, that a request through the transport must do
 (so the ratio can never reach 1): the READ's descriptor indices are built
 once, outside the timed loop, where every request has its own block ids
-(``NixlTransport`` builds them per request: ~15 us of its Python cost, see
-``descriptor_ids.py``); the raw loop never drains the reader's own
+(``NixlTransport`` builds them per request: 24k instructions a side of the
+default READ, about half its excess over this loop; see ``descriptor_ids.py``);
+the raw loop never drains the reader's own
 notifications, which every ``poll`` must (one more ``get_new_notifs`` per
 poll); and without a progress thread a transport ``send`` also progresses
 the sender once so the message leaves before the next poll (one more
 ``get_new_notifs`` per notification). Completion is checked alike: both
-wait for ``DONE`` and release the handle inside the timed read (before round
-5 the raw read released its handle after its clock stopped, where the
-transport's poll releases inside it), and both READ waits are one inline
-loop of the holder's progress and the reader's check (the transport's went
-through ``spin``, a closure and two ``any()`` scans a poll: ~80 opcodes a
-read that the raw loop did not pay).
+wait for ``DONE`` and release the handle inside the timed read, and both
+READ waits are one inline loop of the holder's progress and the reader's
+check.
 """
 
 from __future__ import annotations
