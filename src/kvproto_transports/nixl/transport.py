@@ -126,14 +126,18 @@ class _Peer:
     between them needs: one lookup a read (released with ``dlists``)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class _Route:
     """Everything a READ between one pair of slices uses that does not depend on its blocks."""
 
     local_ids: DescriptorIds
+    """This endpoint's layout's descriptor indices."""
     remote_ids: DescriptorIds
+    """The peer's layout's descriptor indices."""
     local_dlist: Any
+    """The local prepared descriptor list of the local slice."""
     remote_dlist: Any
+    """The peer's prepared descriptor list of the remote slice."""
 
 
 @dataclass(slots=True)
