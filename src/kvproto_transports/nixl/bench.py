@@ -56,6 +56,12 @@ def _rows(layout: BlockLayout) -> np.ndarray:
     return np.column_stack([descs, np.zeros(len(descs), dtype=np.uint64)])
 
 
+READ_POLLS = 10_000_000
+"""Polls a READ may take before the bench gives up (either side: a stuck READ fails the
+run instead of hanging it). A count, not a clock, so neither timed loop reads the time
+per poll; a poll costs at least a microsecond, so this is several seconds at least."""
+
+
 class _Raw:
     """Two raw NIXL agents set up as vLLM's NixlConnector does it."""
 
@@ -118,7 +124,9 @@ class _Raw:
             "READ", self.local, local_ids, self.remote, remote_ids, notif_msg=b"done"
         )
         state = self.r.transfer(handle)
-        while state == "PROC":
+        for _ in range(READ_POLLS):
+            if state != "PROC":
+                break
             self.h.get_new_notifs()  # the holder's progress serves the READ
             state = self.r.check_xfer_state(handle)
         if state != "DONE":
@@ -162,13 +170,14 @@ class _Kv:
         read_id = r.read_blocks(
             self.hpeer, local_blocks=local, remote_blocks=remote, notify=b"done"
         )
-        while True:
+        for _ in range(READ_POLLS):
             h.progress()
             for event in r.poll():
                 if isinstance(event, ReadCompleted) and event.read_id == read_id:
                     return time.perf_counter() - t0
                 if isinstance(event, ReadFailed):
                     raise RuntimeError(f"READ failed: {event}")
+        raise RuntimeError(f"READ not done after {READ_POLLS} polls")
 
     def close(self) -> None:
         self.r.close()
