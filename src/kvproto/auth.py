@@ -154,13 +154,23 @@ def verdict_proof(
     return hashlib.blake2b(data, key=token, digest_size=PROOF_BYTES).digest()
 
 
-def verdict_message(reader_engine: str, reader_rank: int) -> Callable[[int, int], bytes]:
-    """What :func:`verdict_proof` hashes for one reader rank: ``message(lease, verdict)``.
+def verdict_prover(
+    reader_engine: str, reader_rank: int
+) -> Callable[[bytes | bytearray, int, int], bytes]:
+    """:func:`verdict_proof` for one reader rank: ``prove(token, lease, verdict)``.
 
     For the holder, which answers each of a session's dones: the engine and rank
-    part is packed once a session, and each message is then one C call (a struct
-    pack of that part, the lease and the verdict), where :func:`verdict_proof`
-    encodes and joins six parts a proof. Lease ids and verdicts are uint64s.
+    part of the message is packed once a session, and each message is then one C
+    call (a struct pack of that part, the lease and the verdict), where
+    :func:`verdict_proof` encodes and joins six parts a proof. The message is the
+    same (tests/core/test_holder_proofs.py holds the proofs equal); lease ids and
+    verdicts are uint64s.
     """
     head = _VERDICT_DOMAIN + reader_engine.encode() + b"\x00" + _u64(reader_rank)
-    return functools.partial(struct.Struct(f">{len(head)}sQQ").pack, head)
+    message = functools.partial(struct.Struct(f">{len(head)}sQQ").pack, head)
+    blake2b = hashlib.blake2b
+
+    def prove(token: bytes | bytearray, lease: int, verdict: int) -> bytes:
+        return blake2b(message(lease, verdict), key=token, digest_size=PROOF_BYTES).digest()
+
+    return prove

@@ -128,7 +128,7 @@ class _Session:
         "server_nonce",
         "tp_size",
         "up",
-        "verdict_message",
+        "verdict_prover",
         "window",
     )
 
@@ -160,10 +160,11 @@ class _Session:
         self.heap_due: float | None = None
         self.window = ReplayWindow()
         self.leases = leases
-        # What the session's claim and verdict proofs hash, each packed per lease: the
-        # engine and rank never change for a session (a Hello naming others is refused).
+        # The session's claim proofs' message and its verdict proofs, each packed per
+        # lease: the engine and rank never change for a session (a Hello naming others
+        # is refused).
         self.claim_message = claim_message(hello.engine)
-        self.verdict_message = auth.verdict_message(hello.engine, hello.rank)
+        self.verdict_prover = auth.verdict_prover(hello.engine, hello.rank)
 
 
 class Holder:
@@ -811,10 +812,7 @@ class Holder:
         verdict = _VERDICT_REFUSED if slot is None else self._apply_done(now, session, slot)
         proof = b""
         if slot is not None and verdict is _VERDICT_HELD:
-            # auth.verdict_proof(token, lease=..., verdict=..., reader_engine=..., reader_rank=...)
-            message = session.verdict_message(claim.lease, verdict)
-            token = self._leases.token(slot)
-            proof = hashlib.blake2b(message, key=token, digest_size=auth.PROOF_BYTES).digest()
+            proof = session.verdict_prover(self._leases.token(slot), claim.lease, verdict)
         self._send_session(session, wire.DoneAck(lease=claim.lease, verdict=verdict, proof=proof))
 
     def _done_input(self, session: _Session, slot: int) -> LeaseInput:

@@ -244,12 +244,11 @@ def _mac(fx: HolderFixture, plan: Plan) -> list[Figure]:
     def per_claim_frame() -> None:
         wire.verify(key, claim_frame)
 
-    verdict_message = auth.verdict_message("D", 0)  # as the holder packs it, once a session
-    blake2b = hashlib.blake2b
+    prove_verdict = auth.verdict_prover("D", 0)  # as the holder makes it, once a session
 
     def per_done() -> None:
         wire.verify(key, done)
-        blake2b(verdict_message(t.lease, 0), key=t.token, digest_size=auth.PROOF_BYTES).digest()
+        prove_verdict(t.token, t.lease, 0)
         wire.verify(key, done_ack)
 
     hb_ns, _ = paired_ns(per_heartbeat, per_heartbeat, batch=plan.hb_batch, repeats=repeats)
