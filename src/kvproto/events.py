@@ -115,6 +115,10 @@ class ReadOrder(msgspec.Struct, frozen=True, kw_only=True):
     """Which part of each local block this read fills."""
     remote_slice: BlockSlice
     """Which part of each remote block this read takes."""
+    carries_data: bool = True
+    """False: read no block from this rank, only deliver ``notify`` (the transport's
+    notify-only read). Replicated KV (MLA) is read from one holder rank; the others
+    still get the done they count (:func:`kvproto.tpmath.part_slices`)."""
 
 
 class ReadGo(msgspec.Struct, frozen=True, kw_only=True):

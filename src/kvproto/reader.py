@@ -65,7 +65,7 @@ from kvproto.states import (
 )
 from kvproto.stats import ReaderStats
 from kvproto.ticket import LeaseTicket, claim_prover, ticket_problem
-from kvproto.tpmath import read_slices
+from kvproto.tpmath import BlockSlice, part_slices
 from kvproto.transport import PeerId
 
 _HOLDER_ALREADY_ENDED = frozenset(
@@ -87,6 +87,7 @@ _ON_READ_DONE = ReadInput.READ_DONE
 _OPEN = SessionState.OPEN
 _READING = ReadState.READING
 _STARTED = frozenset({_READING, _AWAITING_ACK})
+_WHOLE = (BlockSlice.FULL, BlockSlice.FULL)  # a done-only order's (unused) slices
 _UNKNOWN = -math.inf  # Reader._wake: an input came since get_timer last looked
 _NEVER = math.inf  # Reader._wake: no timer is set
 
@@ -102,8 +103,12 @@ class Reader:
         incarnation: int,
         rank: int = 0,
         tp_size: int = 1,
+        replicated_kv: bool = False,
         entropy: Callable[[int], bytes] = secrets.token_bytes,
     ) -> None:
+        """``replicated_kv``: every holder rank keeps the whole KV (MLA), so a request
+        reads from one of its holder ranks and sends the others only its done
+        (:func:`kvproto.tpmath.part_slices`)."""
         if not 0 <= rank < tp_size:
             raise LocalProtocolError(f"rank {rank} outside TP size {tp_size}")
         self.config = config
@@ -111,6 +116,7 @@ class Reader:
         self.incarnation = incarnation
         self.rank = rank
         self.tp_size = tp_size
+        self.replicated_kv = replicated_kv
         self.stats = ReaderStats()
         self._drift = config.drift
         self._requests: dict[str, Request] = {}
@@ -299,9 +305,14 @@ class Reader:
             session = self._sessions[(req.ticket.holder_engine, rank)]
             part.state = read_next(part.state, _ON_BEGIN_READ)
             part.done_frame = done_frame(req, session.up)
-            local_slice, remote_slice = read_slices(
-                self.rank, self.tp_size, req.ticket.holder_tp_size, rank
+            slices = part_slices(
+                self.rank,
+                self.tp_size,
+                req.ticket.holder_tp_size,
+                rank,
+                replicated=self.replicated_kv,
             )
+            local_slice, remote_slice = slices or _WHOLE
             orders.append(
                 ReadOrder(
                     holder_rank=rank,
@@ -309,6 +320,7 @@ class Reader:
                     notify=part.done_frame,
                     local_slice=local_slice,
                     remote_slice=remote_slice,
+                    carries_data=slices is not None,
                 )
             )
         self.stats.reads_started += len(orders)

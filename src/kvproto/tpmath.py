@@ -12,6 +12,12 @@ Follows the NIXL transfer flow of vLLM's NixlConnector (spec/vllm-api.md §9):
   reads its slice ``tp_rank % tp_ratio`` of every remote block. With
   ``tp_ratio < 0`` one reader rank reads whole blocks from ``|tp_ratio|``
   holder ranks, each into its own slice of the local block.
+* Replicated KV (MLA: every rank holds the whole latent cache, no head
+  split): a reader rank reads whole blocks from one holder rank, the one
+  stock NixlConnector picks, and sends the others of its target ranks only
+  the completion notification (:func:`part_slices`). Which ranks it
+  heartbeats and how many dones a holder rank waits for are unchanged, so a
+  holder rank nobody reads from still frees at once.
 * A partial prefix hit reads only the tail of the remote blocks; zero local
   blocks means nothing to read, only the completion notification.
 """
@@ -135,6 +141,24 @@ def read_slices(
     if r > 0:
         return BlockSlice.FULL, BlockSlice(index=local_rank % r, parts=r)
     return BlockSlice(index=targets.index(remote_rank), parts=-r), BlockSlice.FULL
+
+
+def part_slices(
+    local_rank: int, local_tp: int, remote_tp: int, remote_rank: int, *, replicated: bool
+) -> tuple[BlockSlice, BlockSlice] | None:
+    """What a reader rank reads from one of its holder ranks: (local, remote) slices, or
+    None when it reads nothing there and only sends the done (replicated KV).
+
+    Without replication this is :func:`read_slices`. With it every block is whole on
+    both sides and only the first target rank is read -- ``local_rank * remote_tp //
+    local_tp``, as stock NixlConnector reads MLA (``tp_mapping.compute_tp_mapping``).
+    """
+    if not replicated:
+        return read_slices(local_rank, local_tp, remote_tp, remote_rank)
+    targets = target_remote_ranks(local_rank, local_tp, remote_tp)
+    if remote_rank not in targets:
+        raise LocalProtocolError(f"rank {local_rank} does not read from remote rank {remote_rank}")
+    return (BlockSlice.FULL, BlockSlice.FULL) if remote_rank == targets[0] else None
 
 
 def descriptor_ids(block_ids: Sequence[int], num_regions: int, num_blocks: int) -> list[int]:

@@ -185,12 +185,15 @@ class Endpoint:
         decision = reader.begin_read(now, request_id)
         if isinstance(decision, ReadGo):
             tail = blocks_to_read(local_blocks, remote_blocks)
+            local = list(local_blocks)
             for order in decision.orders:
                 try:
+                    # A done-only order (replicated KV read from another rank) is the
+                    # transport's notify-only read: no block, the notification alone.
                     read_id = self.transport.read_blocks(
                         order.peer,
-                        local_blocks=list(local_blocks),
-                        remote_blocks=tail,
+                        local_blocks=local if order.carries_data else [],
+                        remote_blocks=tail if order.carries_data else [],
                         local_slice=order.local_slice,
                         remote_slice=order.remote_slice,
                         notify=order.notify,

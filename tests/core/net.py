@@ -155,6 +155,7 @@ class Net:
         tp_size: int = 1,
         offset: float = 0.0,
         config: LeaseConfig | None = None,
+        replicated_kv: bool = False,
     ) -> Reader:
         reader = Reader(
             config or self.config,
@@ -162,6 +163,7 @@ class Net:
             incarnation=incarnation,
             rank=rank,
             tp_size=tp_size,
+            replicated_kv=replicated_kv,
             entropy=counter_entropy(1000 * next(self._entropy_seed)),
         )
         self.nodes[name] = Node(name, reader, offset)

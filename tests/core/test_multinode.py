@@ -132,6 +132,82 @@ def test_holder_tp2_reader_tp4_counts_two_consumers_per_holder_rank() -> None:
     assert len(net.confirmed) == 4
 
 
+def test_replicated_kv_reader_tp2_reads_whole_blocks_from_one_holder_rank() -> None:
+    """MLA, P TP 1 -> D TP 2: each reader rank reads the whole latent block; P waits for both."""
+    net = Net()
+    net.add_holder("P0")
+    for rank in range(2):
+        net.add_reader(f"D{rank}", rank=rank, tp_size=2, replicated_kv=True)
+    ticket = net.grant("P0", "p-r")
+    for rank in range(2):
+        net.track(f"D{rank}", "r", ticket)
+    net.run_until(3.0)
+    go0 = net.start_read("D0", "r", duration=0.5)
+    assert isinstance(go0, ReadGo)
+    assert [(o.holder_rank, o.local_slice, o.remote_slice, o.carries_data) for o in go0.orders] == [
+        (0, BlockSlice.FULL, BlockSlice.FULL, True)
+    ]
+    net.run_until(4.0)
+    assert net.freed == []  # one of its two consumers
+    assert net.holder("P0").lease_state(ticket.lease) is LeaseState.HELD
+    go1 = net.start_read("D1", "r", duration=0.5)
+    assert isinstance(go1, ReadGo)
+    assert go1.orders[0].remote_slice == BlockSlice.FULL
+    net.run_until(5.0)
+    assert net.freed_leases() == [(4.5, ticket.lease, "DONE")]
+    assert sorted(r for _, r, _ in net.confirmed) == ["D0", "D1"]
+
+
+def test_replicated_kv_holder_tp2_reads_one_rank_and_sends_the_other_its_done() -> None:
+    """MLA, P TP 2 -> D TP 1: the data comes from P0 alone; P1, read from by nobody, still
+    gets its done with the read and frees at the same instant (no lease left to lapse)."""
+    net = Net()
+    holder_tp2(net)
+    net.add_reader("D0", replicated_kv=True)
+    ticket = net.grant("P0", "p-r")
+    net.adopt("P1", ticket)
+    net.track("D0", "r", ticket)
+    net.run_until(11.0)
+    go = net.start_read("D0", "r", duration=0.5)
+    assert isinstance(go, ReadGo)
+    assert sorted(
+        (o.holder_rank, o.carries_data, o.local_slice, o.remote_slice) for o in go.orders
+    ) == [
+        (0, True, BlockSlice.FULL, BlockSlice.FULL),
+        (1, False, BlockSlice.FULL, BlockSlice.FULL),
+    ]
+    net.run_until(12.0)
+    assert [net.freed_leases(h) for h in ("P0", "P1")] == [
+        [(11.5, ticket.lease, "DONE")],
+        [(11.5, ticket.lease, "DONE")],
+    ]
+    assert [rid for _, _, rid in net.confirmed] == ["r"]
+
+
+def test_replicated_kv_holder_tp4_reader_tp2_spreads_ranks_as_stock() -> None:
+    """Reader rank r reads from holder rank r * 4 // 2 (stock's choice); the others: done only."""
+    net = Net()
+    for rank in range(4):
+        net.add_holder(f"P{rank}", rank=rank, tp_size=4)
+    for rank in range(2):
+        net.add_reader(f"D{rank}", rank=rank, tp_size=2, replicated_kv=True)
+    ticket = net.grant("P0", "p-r")
+    for rank in range(1, 4):
+        net.adopt(f"P{rank}", ticket)
+    for rank in range(2):
+        net.track(f"D{rank}", "r", ticket)
+    net.run_until(2.0)
+    read_from = {}
+    for rank in range(2):
+        go = net.start_read(f"D{rank}", "r")
+        assert isinstance(go, ReadGo)
+        read_from[rank] = sorted(o.holder_rank for o in go.orders if o.carries_data)
+    assert read_from == {0: [0], 1: [2]}
+    net.run_until(3.0)
+    assert sorted(h for _, h, _ in net.freed) == ["P0", "P1", "P2", "P3"]
+    assert len(net.confirmed) == 2
+
+
 @pytest.mark.parametrize("holder_offset", [3600.0, -3600.0, 0.0])
 def test_turn2_lease_across_skewed_clocks(holder_offset: float) -> None:
     """Turn 2: D holds 480 s blocks, P reads them after the client's next turn. The

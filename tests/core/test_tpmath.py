@@ -13,6 +13,7 @@ from kvproto.tpmath import (
     blocks_to_read,
     descriptor_ids,
     expected_consumers,
+    part_slices,
     read_slices,
     target_remote_ranks,
     tp_ratio,
@@ -83,6 +84,28 @@ def test_every_holder_rank_gets_exactly_expected_consumers(holder_tp: int, reade
         targets = target_remote_ranks(rank, reader_tp, holder_tp)
         local = [read_slices(rank, reader_tp, holder_tp, h)[0] for h in targets]
         assert sorted(p.index for p in local) == list(range(local[0].parts))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from([1, 2, 4, 8]), st.sampled_from([1, 2, 4, 8]))
+def test_replicated_kv_reads_each_reader_rank_once_and_leaves_no_done_out(
+    holder_tp: int, reader_tp: int
+) -> None:
+    """MLA: every reader rank reads whole blocks from exactly one holder rank (stock's
+    ``rank * holder_tp // reader_tp``); every target rank still counts it as a consumer."""
+    for rank in range(reader_tp):
+        targets = target_remote_ranks(rank, reader_tp, holder_tp)
+        plans = {h: part_slices(rank, reader_tp, holder_tp, h, replicated=True) for h in targets}
+        read = [h for h, plan in plans.items() if plan is not None]
+        assert read == [rank * holder_tp // reader_tp]
+        assert plans[read[0]] == (BlockSlice.FULL, BlockSlice.FULL)
+        assert all(
+            part_slices(rank, reader_tp, holder_tp, h, replicated=False)
+            == read_slices(rank, reader_tp, holder_tp, h)
+            for h in targets
+        )
+    with pytest.raises(LocalProtocolError):
+        part_slices(0, 4, 2, 1, replicated=True)  # rank 0 does not read from remote rank 1
 
 
 def test_read_slices_seed_examples() -> None:
