@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from kvproto.config import ConfigError
 
 from .config import KV_TRANSPORTS, AdapterConfig
+from .groups import TransferGroups
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -28,8 +29,14 @@ ADAPTER_PROTOCOL = 1
 """Bumped when the adapter's kv_transfer_params or side-channel use changes."""
 
 
-def compat_factors(vllm_config: VllmConfig, *, kv_transport: str) -> dict[str, Any]:
-    """The facts two engines must share for one to read the other's blocks."""
+def compat_factors(
+    vllm_config: VllmConfig, *, kv_transport: str, groups: TransferGroups | None = None
+) -> dict[str, Any]:
+    """The facts two engines must share for one to read the other's blocks.
+
+    With ``groups`` (the engine's KV cache groups) their kinds, windows and placement
+    and whether the KV is latent (MLA) are factors too: a block id means the same bytes
+    on both sides only if every group is laid out alike."""
     from vllm import __version__ as vllm_version
 
     model = vllm_config.model_config
@@ -45,6 +52,12 @@ def compat_factors(vllm_config: VllmConfig, *, kv_transport: str) -> dict[str, A
         "cache_dtype": str(cache.cache_dtype),
         "block_size": cache.block_size,
         "kv_transport": kv_transport,
+        "use_mla": bool(model.use_mla),
+        **(
+            {}
+            if groups is None
+            else {"kv_groups": groups.describe(), "kv_packed_blocks": groups.packed}
+        ),
     }
 
 

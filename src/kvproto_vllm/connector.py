@@ -40,6 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .config import parse_extra_config
+from .groups import UnsupportedShape, transfer_groups
 from .metadata import KvprotoMetadata
 from .plugin import register as register_with_factory
 
@@ -67,9 +68,9 @@ if TYPE_CHECKING:
 class KvprotoConnector(KVConnectorBase_V1, SupportsHMA):
     """A P/D KV connector whose block leases are kvproto's (see spec/vllm-adapter.md).
 
-    ``SupportsHMA`` keeps vLLM's hybrid allocator setting as with stock
-    NixlConnector (whose compat hash includes it); only single-group (full
-    attention) models are transferred.
+    ``SupportsHMA``: vLLM keeps its hybrid allocator on, as with stock
+    NixlConnector, and every transfer group of a request (full attention,
+    sliding window, SSM state) is moved under one lease (:mod:`.groups`).
     """
 
     _cache_hit_source = CacheHitSource.P2P
@@ -105,6 +106,17 @@ class KvprotoConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: WorkerSide | None = None
         self._stats: DeltaTracker | None = None
         producer, consumer = transfer.is_kv_producer, transfer.is_kv_consumer
+        # Refused here, when the engine starts, with one line naming the shape: never a
+        # per-request warning followed by a silent recompute.
+        self.groups = transfer_groups(vllm_config, kv_cache_config)
+        if self.groups.hybrid and (
+            self.adapter_config.bidirectional_kv_xfer or self.adapter_config.lease.accept_legacy
+        ):
+            raise UnsupportedShape(
+                f"KvprotoConnector transfers this model's KV cache groups "
+                f"({self.groups.describe()}) in plain P/D only: bidirectional_kv_xfer and "
+                "accept_legacy need a single full-attention group"
+            )
         if self.adapter_config.bidirectional_kv_xfer:
             # Turn 2 reverses the roles: D holds the conversation's blocks and P reads
             # them, so every engine runs both halves (and serves its side channel).
@@ -118,6 +130,7 @@ class KvprotoConnector(KVConnectorBase_V1, SupportsHMA):
                 engine_id=engine_id,
                 producer=producer,
                 consumer=consumer,
+                groups=self.groups,
             )
         else:
             from .stats import DeltaTracker
@@ -130,6 +143,8 @@ class KvprotoConnector(KVConnectorBase_V1, SupportsHMA):
                 num_blocks=int(kv_cache_config.num_blocks),
                 producer=producer,
                 consumer=consumer,
+                groups=self.groups,
+                kv_cache_config=kv_cache_config,
             )
             self._stats = DeltaTracker(f"{engine_id}/{self._worker.rank}")
 
@@ -206,6 +221,11 @@ class KvprotoConnector(KVConnectorBase_V1, SupportsHMA):
     def on_new_request(self, request: Request) -> None:
         assert self._scheduler is not None
         self._scheduler.on_new_request(request)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        # A load fills the request's own blocks of every transfer group (vLLM's default,
+        # the prefix-cacheable groups, would leave an SSM state marked as not loaded).
+        return self.groups.group_ids
 
     def get_num_new_matched_tokens(
         self,

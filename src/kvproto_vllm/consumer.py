@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from kvproto.errors import RemoteProtocolError
 from kvproto.ticket import PARAMS_KEY, LeaseTicket
 
+from .groups import FULL, TransferGroups, pair_blocks, single_full_group
 from .metadata import Recv, Track
 
 if TYPE_CHECKING:
@@ -56,7 +57,8 @@ TURN2_DONE_KEY = "_remote_blocks_processed"
 @dataclass(slots=True)
 class _Tracked:
     ticket: LeaseTicket
-    remote_block_ids: list[int]
+    remote_block_ids: list[list[int]]
+    """The holder's blocks, one list per transfer group (clipped by the holder)."""
     remote_num_tokens: int | None
     turn2: bool = False
     planned: bool = False
@@ -65,7 +67,16 @@ class _Tracked:
 class Consumer:
     """Request tracking and read planning for one decode engine."""
 
-    def __init__(self, *, recompute_threshold: int = 0, bidirectional: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        recompute_threshold: int = 0,
+        bidirectional: bool = False,
+        groups: TransferGroups | None = None,
+        tp_size: int = 1,
+    ) -> None:
+        self._groups = groups if groups is not None else single_full_group()
+        self._tp_size = tp_size
         self._threshold = recompute_threshold
         self._bidirectional = bidirectional
         self._tracked: dict[str, _Tracked] = {}
@@ -88,7 +99,7 @@ class Consumer:
         rid = request.request_id
         if rid in self._tracked:
             return  # vLLM calls this once per request; be safe on a re-add
-        parsed = _parse(params)
+        parsed = _parse(params, self._groups, self._tp_size)
         if isinstance(parsed, str):
             self.untracked += 1
             what = "the turn-2 prefix of request" if turn2 else "request"
@@ -127,6 +138,9 @@ class Consumer:
         if tracked is None:
             return 0, False
         available = int(request.num_prompt_tokens)
+        if not tracked.turn2:
+            # An SSM state is the state after the holder's N-1 tokens: load as many.
+            available = self._groups.tokens_to_load(available)
         if tracked.remote_num_tokens is not None:
             available = min(available, tracked.remote_num_tokens)
         elif tracked.turn2:
@@ -143,34 +157,38 @@ class Consumer:
         params = request.kv_transfer_params
         if tracked is None or params is None:
             return
-        local: list[int] = []
-        remote = list(tracked.remote_block_ids)
+        local: list[list[int]] = [[] for _ in tracked.remote_block_ids]
+        remote = [list(group) for group in tracked.remote_block_ids]
         if num_external_tokens > 0:
-            groups = blocks.get_unhashed_block_ids_all_groups()
-            local = [int(b) for b in groups[0]] if groups else []
+            local = self._groups.clip(blocks.get_unhashed_block_ids_all_groups())
             allocated = blocks.get_block_ids()
-            n_alloc = len(allocated[0]) if allocated else 0
-            if 0 < n_alloc < len(remote):
-                # The holder's blocks may cover more tokens than this request loads (it
-                # decoded past the prompt, or a turn-2 prompt is shorter than D's whole
-                # conversation). Block i here is the holder's block i, and the read takes
-                # the tail of the remote list, so that list must end where ours ends.
-                remote = remote[:n_alloc]
-        if len(local) > len(remote):
-            log.error(
-                "request %s: %d local blocks to fill but the holder has only %d; recomputing",
-                request.request_id,
-                len(local),
-                len(remote),
-            )
-            local = local[-len(remote) :] if remote else []
+            for index, (gid, kind) in enumerate(
+                zip(self._groups.group_ids, self._groups.kinds, strict=True)
+            ):
+                n_alloc = len(allocated[gid]) if gid < len(allocated) else 0
+                if kind == FULL and 0 < n_alloc < len(remote[index]):
+                    # The holder's blocks may cover more tokens than this request loads
+                    # (it decoded past the prompt, or a turn-2 prompt is shorter than D's
+                    # whole conversation). Block i here is the holder's block i, and the
+                    # read takes the tail of the remote list, so it must end where ours ends.
+                    remote[index] = remote[index][:n_alloc]
+        problem = None
+        try:
+            local_ids, remote_ids = pair_blocks(local, remote)
+        except ValueError as exc:
+            # Nothing is read; every local block is reported bad, so vLLM recomputes.
+            problem = f"{exc}; recomputing"
+            log.error("request %s: %s", request.request_id, problem)
+            local_ids = [b for group in local for b in group]
+            remote_ids = []
         tracked.planned = True
         self._recvs.append(
             Recv(
                 request_id=request.request_id,
-                local_block_ids=local,
-                remote_block_ids=remote,
+                local_block_ids=local_ids,
+                remote_block_ids=remote_ids,
                 awaiting=num_external_tokens > 0,
+                problem=problem,
             )
         )
         # One transfer per request, as stock (a turn-2 request keeps do_remote_decode).
@@ -210,7 +228,9 @@ class Consumer:
         return len(self._tracked)
 
 
-def _parse(params: dict[str, Any]) -> tuple[LeaseTicket, str, int, list[int], int | None] | str:
+def _parse(
+    params: dict[str, Any], groups: TransferGroups, tp_size: int
+) -> tuple[LeaseTicket, str, int, list[list[int]], int | None] | str:
     """The ticket and addressing of a remote-prefill request, or why it is unusable."""
     raw = params.get(PARAMS_KEY)
     if raw is None:
@@ -230,20 +250,29 @@ def _parse(params: dict[str, Any]) -> tuple[LeaseTicket, str, int, list[int], in
     blocks = _block_ids(params.get("remote_block_ids"))
     if blocks is None:
         return "remote_block_ids missing or malformed"
+    if len(blocks) != len(groups.kinds):
+        return (
+            f"the holder sent {len(blocks)} KV cache group(s), this engine has "
+            f"{len(groups.kinds)} ({groups.describe()})"
+        )
+    tp_problem = groups.hetero_tp_problem(tp_size, ticket.holder_tp_size)
+    if tp_problem is not None:
+        return f"cannot read {tp_problem}"
     tokens = params.get("remote_num_tokens")
     remote_tokens = tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None
     return ticket, host, port, blocks, remote_tokens
 
 
-def _block_ids(value: Any) -> list[int] | None:
-    """Stock sends one list per KV cache group; a flat list is accepted too."""
+def _block_ids(value: Any) -> list[list[int]] | None:
+    """Stock's one list per KV cache group; a flat list is one group."""
     if not isinstance(value, list | tuple) or not value:
         return None
-    first = value[0]
-    if isinstance(first, list | tuple):
-        if len(value) != 1:
-            return None  # several groups: not supported (single-group models only)
-        value = first
-    if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in value):
-        return None
-    return [int(b) for b in value]
+    groups = value if isinstance(value[0], list | tuple) else [value]
+    out = []
+    for group in groups:
+        if not isinstance(group, list | tuple) or not all(
+            isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in group
+        ):
+            return None
+        out.append([int(b) for b in group])
+    return out

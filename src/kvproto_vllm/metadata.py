@@ -51,12 +51,15 @@ class Recv:
     request_id: str
     """The decode engine's request id."""
     local_block_ids: list[int]
-    """Local blocks to fill (the unhashed tail after a partial prefix hit; empty on a
-    full local hit, which only tells the holder it may free)."""
+    """Local blocks to fill, every KV cache group's (the unhashed tail after a partial
+    prefix hit; empty on a full local hit, which only tells the holder it may free)."""
     remote_block_ids: list[int]
-    """All of the holder's blocks for the prompt (the tail is read)."""
+    """The holder's blocks paired with them one to one (:func:`.groups.pair_blocks`)."""
     awaiting: bool
     """The request waits in WAITING_FOR_REMOTE_KVS: report finished_recving for it."""
+    problem: str | None = None
+    """Why nothing can be read (the holder's blocks do not cover ours): the request
+    fails at once, its local blocks reported bad, so vLLM recomputes it."""
 
 
 @dataclass(slots=True, kw_only=True)

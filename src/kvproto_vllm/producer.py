@@ -32,12 +32,16 @@ from typing import TYPE_CHECKING, Any
 from kvproto.config import LeaseConfig
 from kvproto.ticket import PARAMS_KEY, LeaseMint
 
+from .groups import TransferGroups, single_full_group
 from .metadata import Grant
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("vllm.kvproto_connector.producer")
+
+TRUNCATED_KEY = "_p_side_truncated"
+"""Stock's kv_transfer_params flag: this prefill was cut short by the backoff already."""
 
 
 class Producer:
@@ -54,8 +58,10 @@ class Producer:
         stock_port: int | None = None,
         dcp_size: int = 1,
         pp_size: int = 1,
+        groups: TransferGroups | None = None,
     ) -> None:
         self.lease = lease
+        self.groups = groups if groups is not None else single_full_group()
         self.engine_id = engine_id
         self.tp_size = tp_size
         self.host = host
@@ -78,6 +84,33 @@ class Producer:
         self.granted_turn2 = 0
         """Of those, turn-2 leases on decoded blocks (bidirectional)."""
 
+    def on_new_request(self, request: Request) -> None:
+        """Stop a prefill ``groups.backoff`` prompt tokens short (SSM state: the decoder
+        computes the last token from the state after N-1), once, as stock does
+        (``_truncate_request_for_prefill``); nothing to do for attention-only models."""
+        backoff = self.groups.backoff
+        params = request.kv_transfer_params
+        if (
+            not backoff
+            or params is None
+            or not params.get("do_remote_decode")
+            or params.get(TRUNCATED_KEY)  # preempted and rescheduled: cut once
+            or request.num_prompt_tokens <= backoff
+            # Prompt logprobs skip the prefix cache: the decoder recomputes everything.
+            or request.get_skip_reading_prefix_cache()
+        ):
+            return
+        if request.prompt_token_ids is not None:
+            del request.prompt_token_ids[-backoff:]
+        elif request.prompt_embeds is not None:
+            request.prompt_embeds = request.prompt_embeds[:-backoff]
+        else:
+            return
+        del request._all_token_ids[-backoff:]
+        request.num_prompt_tokens -= backoff
+        request.max_tokens = 1
+        params[TRUNCATED_KEY] = True
+
     def request_finished(
         self, request: Request, block_ids: Sequence[Sequence[int]], *, turn2: bool = False
     ) -> tuple[bool, dict[str, Any] | None]:
@@ -92,16 +125,10 @@ class Producer:
             RequestStatus.FINISHED_STOPPED,
         ):
             return False, None  # aborted or errored during prefill: nothing to hand over
-        if len(block_ids) != 1:
-            log.warning(
-                "request %s: %d KV cache groups; KvprotoConnector transfers single-group "
-                "(full attention) models only, so its blocks are not offered",
-                request.request_id,
-                len(block_ids),
-            )
-            return False, None
-        blocks = [int(b) for b in block_ids[0]]
-        if not blocks:
+        # One list per transfer group, clipped to what a reader takes (a window's tail,
+        # an SSM state block): one lease covers every group's blocks.
+        groups = self.groups.clip(block_ids)
+        if not any(groups):
             return False, None
         ttl = self.lease.decoder_kv_blocks_ttl if turn2 else self.lease.kv_lease_duration
         ticket = self._mint.mint(time.monotonic(), request_id=request.request_id, ttl=ttl)
@@ -112,7 +139,7 @@ class Producer:
         params: dict[str, Any] = {
             "do_remote_prefill": not turn2,
             "do_remote_decode": turn2,
-            "remote_block_ids": [blocks],
+            "remote_block_ids": groups,
             "remote_engine_id": self.engine_id,
             "remote_request_id": request.request_id,
             "remote_host": self.host,

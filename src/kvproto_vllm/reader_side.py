@@ -117,6 +117,9 @@ class ReaderSide:
             self._record("tracked", track.request_id, f"lease {track.ticket.lease}")
         for recv in recvs:
             rid = recv.request_id
+            if recv.problem is not None and rid not in self._verdicts:
+                self._reader_finish(now, rid)  # nothing will be read: the holder frees now
+                self._verdicts[rid] = "unpairable-blocks"
             if rid in self._verdicts:
                 # Failed while it waited for blocks (or never tracked): report now.
                 reason = self._verdicts.pop(rid)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from .compat import side_channel_address, stock_side_channel_address, transfer_tp_size
 from .config import AdapterConfig
 from .consumer import Consumer
+from .groups import TransferGroups, single_full_group
 from .metadata import KvprotoMetadata
 from .producer import Producer
 
@@ -39,8 +40,12 @@ class SchedulerSide:
         engine_id: str,
         producer: bool,
         consumer: bool,
+        groups: TransferGroups | None = None,
     ) -> None:
+        """``groups``: the engine's KV cache groups (:func:`.groups.transfer_groups`);
+        None is one full-attention group."""
         self.cfg = cfg
+        self.groups = groups if groups is not None else single_full_group()
         self.vllm_config = vllm_config
         self.producer: Producer | None = None
         self.consumer: Consumer | None = None
@@ -58,11 +63,14 @@ class SchedulerSide:
                 stock_port=stock_port if cfg.lease.accept_legacy else None,
                 dcp_size=int(parallel.decode_context_parallel_size),
                 pp_size=int(parallel.pipeline_parallel_size),
+                groups=self.groups,
             )
         if consumer:
             self.consumer = Consumer(
                 recompute_threshold=cfg.kv_recompute_threshold,
                 bidirectional=cfg.bidirectional_kv_xfer,
+                groups=self.groups,
+                tp_size=transfer_tp_size(vllm_config),
             )
             transfer = vllm_config.kv_transfer_config
             policy = getattr(transfer, "kv_load_failure_policy", "fail")
@@ -78,6 +86,8 @@ class SchedulerSide:
     # ------------------------------------------------------------ vLLM hooks
 
     def on_new_request(self, request: Request) -> None:
+        if self.producer is not None:
+            self.producer.on_new_request(request)
         if self.consumer is not None:
             self.consumer.on_new_request(request)
 

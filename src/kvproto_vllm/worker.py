@@ -57,7 +57,9 @@ from .compat import (
     transfer_tp_size,
 )
 from .config import AdapterConfig
+from .groups import TransferGroups, single_full_group
 from .holder_side import HolderSide
+from .kv_layout import kv_layout
 from .metadata import KvprotoHandshakeMetadata, KvprotoMetadata
 from .reader_side import ReaderSide
 
@@ -108,9 +110,13 @@ class WorkerSide:
         producer: bool,
         consumer: bool,
         tp: tuple[int, int] | None = None,
+        groups: TransferGroups | None = None,
+        kv_cache_config: Any | None = None,
     ) -> None:
         """``tp`` = (rank, size) overrides vLLM's TP group (tests run several ranks in one
-        process); by default both come from vLLM."""
+        process); by default both come from vLLM. ``groups`` and ``kv_cache_config``: the
+        engine's KV cache groups and placement (None: one full-attention group, its
+        per-layer tensors registered as they are)."""
         route_kvproto_logs()
         self.cfg = cfg
         self.vllm_config = vllm_config
@@ -121,7 +127,9 @@ class WorkerSide:
         self.rank, self.tp_size = (
             tp if tp is not None else (_tp_rank(), transfer_tp_size(vllm_config))
         )
-        factors = compat_factors(vllm_config, kv_transport=cfg.kv_transport)
+        self.groups = groups if groups is not None else single_full_group()
+        self.kv_cache_config = kv_cache_config
+        factors = compat_factors(vllm_config, kv_transport=cfg.kv_transport, groups=self.groups)
         self.compat = compat_hash(factors)
         self._other_transport_hashes = other_transport_hashes(factors)
         self.host, self.base_port = side_channel_address(vllm_config, cfg)
@@ -159,15 +167,13 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         # tensor_layout imports neither NIXL nor torch: it serves every transport.
         from kvproto_binding.sidechannel import SideChannelServer
-        from kvproto_transports.tensor_layout import layout_from_tensors
 
         from .transport_choice import TransportAwareClient, build_transport
 
-        names, tensors = _unique_tensors(kv_caches)
-        split = _is_split_kv(tensors[0], self.num_blocks)
-        layout = layout_from_tensors(tensors, split_k_and_v=split)
+        registered = kv_layout(kv_caches, self.kv_cache_config, num_blocks=self.num_blocks)
+        layout, names = registered.layout, registered.region_names
         # Transports keep raw addresses: the tensors must outlive the registration.
-        self._kv_tensors = tensors
+        self._kv_tensors = registered.tensors
         chosen = build_transport(
             self.cfg, name_prefix=f"kvproto-{self.engine_id[:12]}-r{self.rank}"
         )
@@ -177,7 +183,8 @@ class WorkerSide:
         self.transport = transport
         detail = (
             f"{transport.name}: {layout.num_regions} regions x {layout.num_blocks} blocks "
-            f"({'split K/V' if split else 'joined'}, block {layout.block_lens[0]} B)"
+            f"({registered.placement}{', split K/V' if registered.split_k_and_v else ''}, "
+            f"block {layout.block_lens[0]} B; groups {self.groups.describe()})"
         )
         self.record("registered", transport.local_peer, detail)
         log.info(
@@ -220,6 +227,7 @@ class WorkerSide:
                 incarnation=secrets.randbits(63),
                 rank=self.rank,
                 tp_size=self.tp_size,
+                replicated_kv=self.groups.mla,
             )
             client = TransportAwareClient(
                 kv_transport=self.cfg.kv_transport,
@@ -443,26 +451,3 @@ def _tp_rank() -> int:
         return int(get_tensor_model_parallel_rank())
     except (AssertionError, RuntimeError, ImportError):
         return 0  # no TP group (a unit test building the worker directly)
-
-
-def _unique_tensors(kv_caches: dict[str, Any]) -> tuple[list[str], list[torch.Tensor]]:
-    """Per-layer names and tensors in layer order, each tensor once (layers may share)."""
-    seen: set[int] = set()
-    names, out = [], []
-    for name, tensor in kv_caches.items():
-        ptr = int(tensor.data_ptr())
-        if ptr in seen:
-            continue
-        seen.add(ptr)
-        names.append(name)
-        out.append(tensor)
-    if not out:
-        raise ValueError("no KV cache tensors to register")
-    return names, out
-
-
-def _is_split_kv(tensor: torch.Tensor, num_blocks: int) -> bool:
-    """FlashAttention-style ``[2, num_blocks, ...]`` (K and V separate) or joined
-    ``[num_blocks, ...]`` (the CPU backend packs K|V inside each block)."""
-    shape = tuple(tensor.shape)
-    return len(shape) >= 2 and shape[0] == 2 and shape[1] == num_blocks and num_blocks != 2

@@ -33,6 +33,7 @@ IMPLEMENTED: frozenset[str] = frozenset(
         "request_finished",
         "has_pending_push_work",
         "set_xfer_handshake_metadata",
+        "get_loaded_kv_cache_group_ids",  # every transfer group: a load fills each of them
         # class methods
         "get_required_kvcache_layout",
         "build_kv_connector_stats",
@@ -57,7 +58,6 @@ INHERITED: dict[str, str] = {
     "get_finished_count": "None (world size): every TP rank reports each request",
     "get_kv_connector_kv_cache_events": "no KV cache events",
     "take_events": "no KV cache events",
-    "get_loaded_kv_cache_group_ids": "the one full-attention group (single-group models only)",
     "get_mem_pool_context": "the engine's default KV memory pool",
     "handle_preemptions": "no asynchronous saves to protect",
     "has_pending_block_frees": "False: a lease ends when its reader is done, not sooner",
@@ -68,7 +68,8 @@ INHERITED: dict[str, str] = {
     "set_host_xfer_buffer_ops": "no host staging buffer",
     "set_xfer_handshake_metadata_pp_aware": "maps to set_xfer_handshake_metadata; refuses "
     "pp_rank > 0 with a clear ValueError (no PP-disaggregated transfer)",
-    "supports_divergent_local_hybrid_hits": "False: single-group models only",
+    "supports_divergent_local_hybrid_hits": "False: vLLM cuts a local hit to the depth every "
+    "group reaches, and the holder supplies the rest of every group",
     "unregister_kv_caches": "0.33 sleep hook: never called, supports_sleep_mode is False",
     "restore_kv_caches": "0.33 wake hook: never called, supports_sleep_mode is False",
 }

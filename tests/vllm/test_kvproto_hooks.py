@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.vllm.fixtures import one_group_kv_cache_config
+
 from .vllm_required import require_vllm
 
 require_vllm()
@@ -48,7 +50,6 @@ def test_constructor_refuses_sleep_mode(tiny_model_dir: Path) -> None:
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.kv_cache_interface import KVCacheConfig
 
     from kvproto_vllm.connector import SLEEP_MODE_REFUSAL, KvprotoConnector
 
@@ -61,7 +62,7 @@ def test_constructor_refuses_sleep_mode(tiny_model_dir: Path) -> None:
         enforce_eager=True,
         kv_transfer_config=KVTransferConfig(**kvproto_config("kv_producer")),
     ).create_engine_config()
-    kv_cache_config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[])
+    kv_cache_config = one_group_kv_cache_config(8)
     KvprotoConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config).shutdown()  # builds
     cfg.model_config.enable_sleep_mode = True
     for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):

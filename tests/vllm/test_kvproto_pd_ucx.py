@@ -30,6 +30,8 @@ from typing import Any
 
 import pytest
 
+from tests.vllm.fixtures import one_group_kv_cache_config
+
 from .vllm_required import require_vllm
 
 require_vllm()
@@ -93,14 +95,13 @@ def test_kv_transport_key() -> None:
 
 def test_connector_refuses_an_unknown_transport(tiny_model_dir: Path) -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.v1.kv_cache_interface import KVCacheConfig
 
     from kvproto_vllm.compat import compat_factors, compat_hash, other_transport_hashes
     from kvproto_vllm.connector import KvprotoConnector
 
     cfg = vllm_config(tiny_model_dir)
     cfg.kv_transfer_config.kv_connector_extra_config = {"kv_transport": "rdma"}
-    kv_cache = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[])
+    kv_cache = one_group_kv_cache_config(8)
     for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
         with pytest.raises(ConfigError, match="kv_transport"):
             KvprotoConnector(cfg, role, kv_cache)

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.vllm.fixtures import one_group_kv_cache_config
+
 from .vllm033_required import require_vllm033
 
 require_vllm033()
@@ -108,13 +110,12 @@ def test_sleep_mode_is_refused_by_vllm(tiny_model_dir: Path) -> None:
 def test_sleep_mode_is_refused_by_the_constructor(tiny_model_dir: Path) -> None:
     """Where vLLM does not ask (0.32 has no supports_sleep_mode), the connector refuses."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.v1.kv_cache_interface import KVCacheConfig
 
     from kvproto_vllm.connector import SLEEP_MODE_REFUSAL, KvprotoConnector
 
     cfg = device_free_config(tiny_model_dir, kvproto_config("kv_producer"))
     cfg.model_config.enable_sleep_mode = True
-    kv_cache_config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[])
+    kv_cache_config = one_group_kv_cache_config(8)
     with pytest.raises(ValueError, match="does not support sleep mode") as info:
         KvprotoConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config)
     assert str(info.value) == SLEEP_MODE_REFUSAL

@@ -26,6 +26,8 @@ from typing import Any
 
 import pytest
 
+from tests.vllm.fixtures import one_group_kv_cache_config
+
 from .vllm033_required import require_vllm033
 
 require_vllm033()
@@ -55,7 +57,6 @@ def mrv2_pair(tiny_model_dir: Path) -> Iterator[tuple[Any, Any, dict[str, Any], 
     D's worker half, D's KV tensors)."""
     from vllm.distributed.kv_transfer import kv_transfer_state
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
 
     from kvproto_vllm.connector import KvprotoConnector
@@ -64,7 +65,7 @@ def mrv2_pair(tiny_model_dir: Path) -> Iterator[tuple[Any, Any, dict[str, Any], 
     p_cfg = device_free_config(
         tiny_model_dir, kvproto_config("kv_producer", kvproto_side_channel_port=p_port)
     )
-    kv_cache_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[])
+    kv_cache_config = one_group_kv_cache_config(NUM_BLOCKS, tuple(LAYERS))
     p_conn = KvprotoConnector(p_cfg, KVConnectorRole.WORKER, kv_cache_config)
     p_kv = {name: torch.randn(NUM_BLOCKS, *BLOCK_SHAPE) for name in LAYERS}
     # The model runner takes the worker connector from vLLM's process-wide slot.
