@@ -5,10 +5,13 @@ the holder's side channel refuses a reader whose hash differs, and the reader
 fails its requests (recompute) with a clear log line instead of reading blocks
 it cannot interpret. Like stock, the model *path string* is a factor, so P and
 D must load the model from the same path. Unlike stock, the block size is a
-factor too: kvproto exchanges block ids one-to-one and does not remap sizes.
+factor too: kvproto exchanges block ids one-to-one and does not remap sizes (stock's
+remapping of unequal sizes reads the wrong bytes with vLLM's head-major CPU layout).
+So are the KV cache groups and their placement (:mod:`.groups`).
 So is the transport (``kv_transport``): a UCX reader cannot use a NIXL
 holder's metadata, so such a pair is refused at the handshake (recompute), and
-:func:`other_transport_hashes` lets the reader name that cause.
+:func:`neighbour_hashes` lets the reader name that cause, and a block size,
+dtype or MLA difference alike.
 """
 
 from __future__ import annotations
@@ -67,15 +70,29 @@ def compat_hash(factors: dict[str, Any]) -> bytes:
     return hashlib.blake2b(text.encode(), digest_size=16).digest()
 
 
-def other_transport_hashes(factors: dict[str, Any]) -> dict[bytes, str]:
-    """compat hash -> ``kv_transport`` value, for every transport but ``factors``' own:
-    a holder whose hash is one of these differs from us only by its transport."""
-    own = factors["kv_transport"]
-    return {
-        compat_hash({**factors, "kv_transport": kind}): kind
-        for kind in KV_TRANSPORTS
-        if kind != own
-    }
+NEIGHBOUR_VALUES: dict[str, tuple[Any, ...]] = {
+    "kv_transport": KV_TRANSPORTS,
+    "block_size": (16, 32, 48, 64, 96, 128, 256, 512, 1024),
+    "use_mla": (False, True),
+    "cache_dtype": ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2"),
+    "dtype": ("torch.float32", "torch.float16", "torch.bfloat16"),
+}
+"""Values a peer's factor plausibly takes where ours differs: a holder whose hash is one
+of :func:`neighbour_hashes` differs from us by that one factor, and the log can say which
+and how (a compat hash alone only says *that* the engines differ)."""
+
+
+def neighbour_hashes(factors: dict[str, Any]) -> dict[bytes, tuple[str, Any]]:
+    """compat hash -> (factor, value) for every factor of :data:`NEIGHBOUR_VALUES` set to
+    every other value of its own, the rest as ours."""
+    out: dict[bytes, tuple[str, Any]] = {}
+    for key, values in NEIGHBOUR_VALUES.items():
+        if key not in factors:
+            continue
+        for value in values:
+            if value != factors[key]:
+                out[compat_hash({**factors, key: value})] = (key, value)
+    return out
 
 
 def side_channel_address(vllm_config: VllmConfig, cfg: AdapterConfig) -> tuple[str, int]:

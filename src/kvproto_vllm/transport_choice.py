@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvproto_binding.sidechannel import CompatMismatch, HandshakeClient, HandshakeFailed
 
@@ -98,18 +98,19 @@ def build_transport(cfg: AdapterConfig, *, name_prefix: str) -> ChosenTransport:
 
 
 class TransportAwareClient(HandshakeClient):
-    """The side-channel client, naming a ``kv_transport`` mismatch when that is the cause.
+    """The side-channel client, naming the difference when a compat mismatch has one cause.
 
-    A compat mismatch is only a differing hash; the reader logs the generic cause. If
-    the holder's hash equals ours with another ``kv_transport``, say so plainly: the
-    fix is one config key.
+    A compat mismatch is only a differing hash. If the holder's hash equals ours with
+    one factor changed (another ``kv_transport``, block size, dtype, MLA:
+    :func:`.compat.neighbour_hashes`), say which and how: the fix is then one setting.
     """
 
     def __init__(
         self,
         *,
         kv_transport: str,
-        other_hashes: dict[bytes, str],
+        neighbours: dict[bytes, tuple[str, Any]],
+        factors: dict[str, Any],
         record: Callable[[str, str, str], None],
         requester: str,
         compat_hash: bytes,
@@ -128,9 +129,11 @@ class TransportAwareClient(HandshakeClient):
         )
         self.kv_transport = kv_transport
         """This engine's transport."""
-        self.other_hashes = other_hashes
-        """compat hash -> the other ``kv_transport`` value that gives it
-        (:func:`.compat.other_transport_hashes`)."""
+        self.neighbours = neighbours
+        """compat hash -> (factor, value) that gives it, the rest as ours
+        (:func:`.compat.neighbour_hashes`)."""
+        self.factors = factors
+        """Our compat factors (what a difference is logged against)."""
         self.record = record
         """The worker's decision log: (kind, subject, detail)."""
         self.transport_mismatches = 0
@@ -140,10 +143,14 @@ class TransportAwareClient(HandshakeClient):
         results = super().poll_results()
         for res in results:
             if isinstance(res, HandshakeFailed) and isinstance(res.error, CompatMismatch):
-                theirs = self.other_hashes.get(res.error.theirs)
-                if theirs is not None:
+                found = self.neighbours.get(res.error.theirs)
+                if found is None:
+                    continue
+                key, theirs = found
+                kind = "transport" if key == "kv_transport" else key.replace("_", "-")
+                self.record(f"{kind}-mismatch", f"{res.host}:{res.port}", str(theirs))
+                if key == "kv_transport":
                     self.transport_mismatches += 1
-                    self.record("transport-mismatch", f"{res.host}:{res.port}", theirs)
                     log.error(
                         "KV handshake with %s:%d refused: that prefill engine uses "
                         "kv_transport %r, this engine %r. Set the same kv_transport in "
@@ -152,5 +159,17 @@ class TransportAwareClient(HandshakeClient):
                         res.port,
                         theirs,
                         self.kv_transport,
+                    )
+                else:
+                    log.error(
+                        "KV handshake with %s:%d refused: that prefill engine runs with %s "
+                        "%r, this engine with %r; the engines differ in nothing else the "
+                        "handshake compares. Run both with the same %s.",
+                        res.host,
+                        res.port,
+                        key,
+                        theirs,
+                        self.factors.get(key),
+                        key,
                     )
         return results

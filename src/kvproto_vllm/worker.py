@@ -52,7 +52,7 @@ from kvproto_binding.endpoint import Endpoint
 from .compat import (
     compat_factors,
     compat_hash,
-    other_transport_hashes,
+    neighbour_hashes,
     side_channel_address,
     transfer_tp_size,
 )
@@ -131,7 +131,8 @@ class WorkerSide:
         self.kv_cache_config = kv_cache_config
         factors = compat_factors(vllm_config, kv_transport=cfg.kv_transport, groups=self.groups)
         self.compat = compat_hash(factors)
-        self._other_transport_hashes = other_transport_hashes(factors)
+        self._neighbour_hashes = neighbour_hashes(factors)
+        self._factors = factors
         self.host, self.base_port = side_channel_address(vllm_config, cfg)
         self.stock_payload: bytes | None = None
         """Interop mode: what the scheduler's stock-format listener serves for this rank."""
@@ -231,7 +232,8 @@ class WorkerSide:
             )
             client = TransportAwareClient(
                 kv_transport=self.cfg.kv_transport,
-                other_hashes=self._other_transport_hashes,
+                neighbours=self._neighbour_hashes,
+                factors=self._factors,
                 record=self.record,
                 requester=f"{self.engine_id}/{self.rank}",
                 compat_hash=self.compat,

@@ -83,6 +83,8 @@ class EngineSpec:
     box two engines then share one core. False disables that (in-process)."""
     extra_env: dict[str, str] = field(default_factory=dict)
     """More env vars set in the child before vLLM is imported."""
+    llm_args: dict[str, Any] = field(default_factory=dict)
+    """More keyword arguments for ``LLM(...)`` (a model shape's own block size, say)."""
     tensor_parallel_size: int = 1
     """TP ranks; above 1 the engine core stays in the child but each rank is a
     worker process of vLLM's multiprocessing executor (so worker-side state is
@@ -125,6 +127,13 @@ def _disable_kv_core_pinning() -> None:
     )
 
 
+def _label_filter(key: str) -> tuple[str, dict[str, str]]:
+    """``"name{a=b,c=d}"`` -> ``("name", {"a": "b", "c": "d"})``."""
+    name, _, rest = key.partition("{")
+    pairs = (item.split("=", 1) for item in rest.rstrip("}").split(",") if "=" in item)
+    return name, {k.strip(): v.strip().strip('"') for k, v in pairs}
+
+
 class _Server:
     """Runs in the child: owns the LLM and answers commands."""
 
@@ -148,6 +157,7 @@ class _Server:
             kv_transfer_config=spec.kv_transfer_config,
             disable_log_stats=False,  # Prometheus metrics for get_metrics()
             seed=0,
+            **spec.llm_args,
         )
         self.init_s = time.perf_counter() - t0
         client: Any = self.llm.llm_engine.engine_core  # InprocClient when in-process
@@ -210,11 +220,15 @@ class _Server:
         }
 
     def cmd_metrics(self, names: list[str]) -> dict[str, float]:
-        want = set(names)
+        """Each metric's value summed over its label sets; ``name{label=value}`` keeps
+        only the label sets that match (``vllm:prompt_tokens_by_source{source=...}``)."""
         out = dict.fromkeys(names, 0.0)
+        wanted = [(key, *_label_filter(key)) for key in names]
         for m in self.llm.get_metrics():
-            if m.name in want:
-                out[m.name] += float(getattr(m, "value", 0) or 0)
+            labels = getattr(m, "labels", None) or {}
+            for key, name, match in wanted:
+                if m.name == name and all(labels.get(k) == v for k, v in match.items()):
+                    out[key] += float(getattr(m, "value", 0) or 0)
         return out
 
     def cmd_wait_idle(self, timeout_s: float) -> dict[str, Any]:

@@ -96,7 +96,7 @@ def test_kv_transport_key() -> None:
 def test_connector_refuses_an_unknown_transport(tiny_model_dir: Path) -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from kvproto_vllm.compat import compat_factors, compat_hash, other_transport_hashes
+    from kvproto_vllm.compat import compat_factors, compat_hash, neighbour_hashes
     from kvproto_vllm.connector import KvprotoConnector
 
     cfg = vllm_config(tiny_model_dir)
@@ -109,7 +109,8 @@ def test_connector_refuses_an_unknown_transport(tiny_model_dir: Path) -> None:
     nixl = compat_factors(cfg, kv_transport="nixl")
     ucx = compat_factors(cfg, kv_transport="ucx")
     assert compat_hash(nixl) != compat_hash(ucx)
-    assert other_transport_hashes(ucx) == {compat_hash(nixl): "nixl"}
+    assert neighbour_hashes(ucx)[compat_hash(nixl)] == ("kv_transport", "nixl")
+    assert neighbour_hashes(ucx)[compat_hash({**ucx, "block_size": 64})] == ("block_size", 64)
 
 
 # ---------------------------------------------------------- 2. worker level
