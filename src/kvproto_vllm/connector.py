@@ -222,6 +222,14 @@ class KvprotoConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._scheduler is not None
         self._scheduler.on_new_request(request)
 
+    @property
+    def supports_divergent_local_hybrid_hits(self) -> bool:
+        # SSM hybrids: vLLM then keeps D's local full-attention hit even where no SSM
+        # state was cached at its boundary, and the read brings P's state with the rest
+        # (groups.pair_blocks fills the state block and the attention tail alike), as
+        # stock does; otherwise the local hit is cut to zero and the whole prompt read.
+        return True
+
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         # A load fills the request's own blocks of every transfer group (vLLM's default,
         # the prefix-cacheable groups, would leave an SSM state marked as not loaded).

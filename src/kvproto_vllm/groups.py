@@ -67,7 +67,7 @@ class TransferGroups:
     ssm_spec_blocks: tuple[int, ...]
     """Per transfer group: an SSM group's trailing speculative scratch blocks (else 0)."""
     block_size: int
-    """Tokens per block (every group's, as the hybrid allocator requires here)."""
+    """Tokens per attention block (every attention group's; 0 for an SSM-only model)."""
     packed: bool = False
     """Blocks are block-outermost (every layer's page of a block side by side): a block
     is then not one layer's head-major page, and cannot be split by heads."""
@@ -211,7 +211,8 @@ def transfer_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
             spec = layer_specs[0]
             if any(type(s) is not type(spec) for s in layer_specs):
                 raise UnsupportedShape(_refusal(f"group {gid} mixes {_names(layer_specs)}"))
-        sizes.add(int(spec.block_size))
+        if not isinstance(spec, MambaSpec):  # an SSM "block" spans the whole sequence
+            sizes.add(int(spec.block_size))
         # SlidingWindowMLASpec is a SlidingWindowSpec: read as a window (MLA changes only
         # the TP split, which the reader's replicated_kv handles).
         if isinstance(spec, SlidingWindowSpec):
@@ -230,7 +231,7 @@ def transfer_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
             specs.append(0)
         else:
             raise UnsupportedShape(_refusal(f"group {gid} is {type(spec).__name__}"))
-    if len(sizes) != 1:
+    if len(sizes) > 1:
         raise UnsupportedShape(_refusal(f"groups with different block sizes {sorted(sizes)}"))
     packed = any(
         int(t.block_stride) > int(t.layer_stride)
@@ -251,7 +252,7 @@ def transfer_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
         num_groups=len(groups),
         window_blocks=tuple(windows),
         ssm_spec_blocks=tuple(specs),
-        block_size=sizes.pop(),
+        block_size=sizes.pop() if sizes else 0,
         packed=packed,
         mla=bool(model is not None and model.use_mla),
     )

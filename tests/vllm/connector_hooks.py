@@ -34,6 +34,7 @@ IMPLEMENTED: frozenset[str] = frozenset(
         "has_pending_push_work",
         "set_xfer_handshake_metadata",
         "get_loaded_kv_cache_group_ids",  # every transfer group: a load fills each of them
+        "supports_divergent_local_hybrid_hits",  # True: the SSM state comes with the read
         # class methods
         "get_required_kvcache_layout",
         "build_kv_connector_stats",
@@ -68,8 +69,6 @@ INHERITED: dict[str, str] = {
     "set_host_xfer_buffer_ops": "no host staging buffer",
     "set_xfer_handshake_metadata_pp_aware": "maps to set_xfer_handshake_metadata; refuses "
     "pp_rank > 0 with a clear ValueError (no PP-disaggregated transfer)",
-    "supports_divergent_local_hybrid_hits": "False: vLLM cuts a local hit to the depth every "
-    "group reaches, and the holder supplies the rest of every group",
     "unregister_kv_caches": "0.33 sleep hook: never called, supports_sleep_mode is False",
     "restore_kv_caches": "0.33 wake hook: never called, supports_sleep_mode is False",
 }
