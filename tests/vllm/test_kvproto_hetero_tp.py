@@ -14,6 +14,12 @@ a minute to start here):
    base + rank) into the two halves of its blocks; each P rank frees once, on
    its own done; vLLM reports the request finished only when both ranks did.
 
+The same pair runs for the tiny Llama, for a sliding-window + full attention
+model (two KV cache groups in one read) and for an MLA model, whose latent KV
+every rank keeps whole: each D rank reads whole blocks from one P rank
+(``tpmath.part_slices``), a P rank nobody reads from gets a done-only order,
+and every P rank still frees on its expected dones.
+
 Each direction: greedy output on D equals the non-disaggregated baseline (and
 TP 1 and TP 2 agree without a transfer); every prompt token arrives through
 the connector (D's external prefix hits = prompt length, every D rank
@@ -44,7 +50,7 @@ MAX_TOKENS = 16
 HITS = "vllm:external_prefix_cache_hits"
 
 
-def engine(model: Path, name: str, tp: int) -> EngineProc:
+def engine(model: Path, name: str, tp: int, block_size: int) -> EngineProc:
     return EngineProc(
         EngineSpec(
             model=str(model),
@@ -52,6 +58,7 @@ def engine(model: Path, name: str, tp: int) -> EngineProc:
             side_channel_port=free_port_pair(),
             prefix_caching=False,
             tensor_parallel_size=tp,
+            block_size=block_size,
         ),
         name=name,
     )
@@ -100,7 +107,7 @@ def transfer(
     pre = generate(p, prompt, 1, {"do_remote_decode": True})
     params = pre["kv_transfer_params"]
     assert params is not None and "kvproto" in params and params["tp_size"] == p_tp
-    n_blocks = len(params["remote_block_ids"][0])
+    n_blocks = sum(len(group) for group in params["remote_block_ids"])  # every KV cache group
     held = p.call("state")
     assert held["requests"] == 1 and held["free_blocks"] == free_before - n_blocks
 
@@ -148,17 +155,27 @@ def transfer(
     figures[f"{label} D track->all P ranks freed ms"] = (max(frees) - min(tracks)) * 1e3
 
 
-def test_hetero_tp_engines(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("shape", ["llama", "swa", "mla"])
+def test_hetero_tp_engines(
+    shape: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    from examples.pd_cpu.tiny_model import BLOCK_SIZE_OF, build_tiny_model
+
+    model = (
+        tiny_model_dir
+        if shape == "llama"
+        else build_tiny_model(tmp_path_factory.mktemp(shape), shape)
+    )
     t0 = time.perf_counter()
-    a = engine(tiny_model_dir, "A-tp1", 1)
-    b = engine(tiny_model_dir, "B-tp2", 2)
+    a = engine(model, f"A-tp1-{shape}", 1, BLOCK_SIZE_OF[shape])
+    b = engine(model, f"B-tp2-{shape}", 2, BLOCK_SIZE_OF[shape])
     try:
         a_info, b_info = a.wait_ready(), b.wait_ready()
         figures: dict[str, float] = {"A init s": a_info["init_s"], "B init s": b_info["init_s"]}
         transfer(a, b, make_prompt(8), figures, "P1->D2")
         transfer(b, a, make_prompt(9), figures, "P2->D1")
         print(
-            "\nkvproto heterogeneous TP: "
+            f"\nkvproto heterogeneous TP ({shape}): "
             + ", ".join(f"{k} {v:.1f}" for k, v in figures.items())
             + f", wall {time.perf_counter() - t0:.1f}s"
         )
