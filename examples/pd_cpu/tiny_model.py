@@ -204,6 +204,46 @@ def _save(model_class: Any, config: Any, out_dir: Path, seed: int) -> Path:
     return out_dir
 
 
+def build_tiny_gemma3(
+    out_dir: Path,
+    *,
+    seed: int = SEED,
+    sliding_window: int = 64,
+    layer_types: tuple[str, ...] = (
+        "sliding_attention",
+        "full_attention",
+        "sliding_attention",
+        "full_attention",
+    ),
+) -> Path:
+    """A random Gemma-3 text model (``Gemma3ForCausalLM``): windowed and global layers.
+
+    Not one of :data:`SHAPES` (``swa`` is the Llama with ``layer_types``); a second
+    sliding-window architecture, as Gemma-3 checkpoints ship it: hidden 64, 2 query
+    heads and 1 KV head of head_dim 32, one layer per entry of ``layer_types``, no
+    logit soft-capping (vLLM's CPU attention refuses it for decoder layers). With
+    the hybrid KV cache manager on, vLLM makes one group of the windowed layers and
+    one of the global ones.
+    """
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    common = _common(_write_tokenizer(out_dir))
+    common.update(num_key_value_heads=1, tie_word_embeddings=True)
+    config = Gemma3TextConfig(
+        **common,
+        intermediate_size=4 * HIDDEN_SIZE,
+        num_hidden_layers=len(layer_types),
+        head_dim=32,
+        query_pre_attn_scalar=32,
+        sliding_window=sliding_window,
+        layer_types=list(layer_types),
+        final_logit_softcapping=None,
+        attn_logit_softcapping=None,
+    )
+    config.architectures = ["Gemma3ForCausalLM"]
+    return _save(Gemma3ForCausalLM, config, out_dir, seed)
+
+
 def make_prompt(num_sentences: int) -> str:
     """A prompt made of ``num_sentences`` corpus sentences, cycling."""
     return " ".join(CORPUS[i % len(CORPUS)] for i in range(num_sentences))
