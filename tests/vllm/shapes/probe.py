@@ -82,7 +82,7 @@ def main() -> int:
     extra: dict = {"dump_path": dump}
     if args.layout:
         extra["layout"] = args.layout
-    kwargs: dict = dict(
+    kwargs: dict = dict(  # noqa: C408 - reads as LLM(...) keyword arguments
         model=str(model_dir),
         dtype="float32",
         enforce_eager=True,
@@ -106,18 +106,38 @@ def main() -> int:
     llm = LLM(**kwargs)
     start_s = time.monotonic() - t0
     with open(dump, "a") as f:
-        f.write(json.dumps({"kind": "engine", "shape": args.shape, "start_s": round(start_s, 2),
-                            "env": {k: os.environ.get(k) for k in (
-                                "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE")},
-                            "no_hma": args.no_hma, "prefix_caching": prefix_caching}) + "\n")
+        f.write(
+            json.dumps(
+                {
+                    "kind": "engine",
+                    "shape": args.shape,
+                    "start_s": round(start_s, 2),
+                    "env": {
+                        k: os.environ.get(k)
+                        for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE")
+                    },
+                    "no_hma": args.no_hma,
+                    "prefix_caching": prefix_caching,
+                }
+            )
+            + "\n"
+        )
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     outs = []
     for _ in range(args.runs):
         out = llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)
         outs.append(list(out[0].outputs[0].token_ids))
     with open(dump, "a") as f:
-        f.write(json.dumps({"kind": "outputs", "token_ids": outs,
-                            "same_across_runs": all(o == outs[0] for o in outs)}) + "\n")
+        f.write(
+            json.dumps(
+                {
+                    "kind": "outputs",
+                    "token_ids": outs,
+                    "same_across_runs": all(o == outs[0] for o in outs),
+                }
+            )
+            + "\n"
+        )
     print(f"PROBE {args.shape} start_s={start_s:.1f} outputs={outs[0]} dump={dump}")
     return 0
 

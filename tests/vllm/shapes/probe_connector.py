@@ -16,13 +16,13 @@ SupportsHMA is implemented, so vLLM keeps the hybrid KV cache manager on.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 from typing import Any
 
 import torch
-
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -42,10 +42,8 @@ def _plain(value: Any) -> Any:
         for f in dataclasses.fields(value):
             out[f.name] = _plain(getattr(value, f.name))
         for prop in ("page_size_bytes", "real_page_size_bytes", "storage_block_size"):
-            try:
+            with contextlib.suppress(Exception):  # not every spec has every property
                 out[prop] = _plain(getattr(value, prop))
-            except Exception:  # noqa: BLE001 - not every spec has every property
-                pass
         return out
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
@@ -138,7 +136,9 @@ class ProbeConnector(KVConnectorBase_V1, SupportsHMA):
         return
 
     # scheduler side
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
         return 0, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:

@@ -1,23 +1,44 @@
-"""Print a compact summary of a probe dump (see probe.py): python -m tests.vllm.shapes.summarize FILE"""
+"""Print a compact summary of a probe dump (see probe.py).
+
+python -m tests.vllm.shapes.summarize FILE
+"""
 
 from __future__ import annotations
 
 import json
 import sys
 
-SPEC_KEYS = ("block_size", "num_kv_heads", "head_size", "head_size_v", "dtype", "sliding_window",
-             "shapes", "dtypes", "mamba_type", "page_size_bytes", "real_page_size_bytes",
-             "page_size_padded", "cache_dtype_str")
+SPEC_KEYS = (
+    "block_size",
+    "num_kv_heads",
+    "head_size",
+    "head_size_v",
+    "dtype",
+    "sliding_window",
+    "shapes",
+    "dtypes",
+    "mamba_type",
+    "page_size_bytes",
+    "real_page_size_bytes",
+    "page_size_padded",
+    "cache_dtype_str",
+)
 
 
 def _spec(spec: dict) -> str:
-    return spec["class"] + "(" + ", ".join(
-        f"{k}={spec[k]}" for k in SPEC_KEYS if k in spec and spec[k] is not None) + ")"
+    return (
+        spec["class"]
+        + "("
+        + ", ".join(f"{k}={spec[k]}" for k in SPEC_KEYS if k in spec and spec[k] is not None)
+        + ")"
+    )
 
 
 def main(path: str) -> None:
     seen_cfg = False
-    for line in open(path):
+    with open(path) as f:
+        lines = f.readlines()
+    for line in lines:
         d = json.loads(line)
         kind = d["kind"]
         if kind == "kv_cache_config":
@@ -25,9 +46,11 @@ def main(path: str) -> None:
                 continue
             seen_cfg = True
             c = d["kv_cache_config"]
-            print(f"[{d['role']}] block_size={d['block_size']} "
-                  f"hma_disabled={d['disable_hybrid_kv_cache_manager']} "
-                  f"num_blocks={c['num_blocks']} layout={c.get('kv_cache_layout')}")
+            print(
+                f"[{d['role']}] block_size={d['block_size']} "
+                f"hma_disabled={d['disable_hybrid_kv_cache_manager']} "
+                f"num_blocks={c['num_blocks']} layout={c.get('kv_cache_layout')}"
+            )
             for i, g in enumerate(c["kv_cache_groups"]):
                 print(f"  group {i}: {_spec(g['kv_cache_spec'])}")
                 print(f"           layers={g['layer_names']}")
@@ -40,13 +63,19 @@ def main(path: str) -> None:
                 for i, p in enumerate(f.get("parts", [f])):
                     tag = name if "parts" not in f else f"{name}[{i}]"
                     base.setdefault(p["storage_ptr"], p["storage_ptr"])
-                    print(f"  kv_caches[{tag}] shape={p['shape']} {p['dtype']} stride={p['stride']} "
-                          f"contig={p['is_contiguous']} storage=+{p['data_ptr'] - p['storage_ptr']}B "
-                          f"of {p['storage_nbytes']}B (storage {hex(p['storage_ptr'])}) "
-                          f"view={p['nbytes_view']}B")
+                    print(
+                        f"  kv_caches[{tag}] shape={p['shape']} {p['dtype']} stride={p['stride']} "
+                        f"contig={p['is_contiguous']} storage=+{p['data_ptr'] - p['storage_ptr']}B "
+                        f"of {p['storage_nbytes']}B (storage {hex(p['storage_ptr'])}) "
+                        f"view={p['nbytes_view']}B"
+                    )
             for ptr, names in d["storages"].items():
                 print(f"  storage {hex(int(ptr))}: {names}")
-        elif kind in ("update_state_after_alloc", "request_finished_all_groups", "request_finished"):
+        elif kind in (
+            "update_state_after_alloc",
+            "request_finished_all_groups",
+            "request_finished",
+        ):
             rest = {k: v for k, v in d.items() if k not in ("kind", "pid", "request_id")}
             print(f"  {kind} {d['request_id']}: {rest}")
         else:
