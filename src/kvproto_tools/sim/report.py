@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
+import tempfile
+import textwrap
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from kvproto_tools.sim.console import Out, render_table
 from kvproto_tools.sim.engine import RunResult
@@ -67,44 +71,85 @@ class Row:
     """The policy's own counters (``RunResult.extra["vllm_num_*"]``), summed over seeds."""
 
 
-def aggregate(results: Iterable[RunResult]) -> list[Row]:
-    """Group runs by (scenario, policy) in the canonical order."""
-    groups: dict[tuple[str, str], list[RunResult]] = {}
-    for r in results:
-        groups.setdefault((r.scenario, r.policy), []).append(r)
-    order = {name: i for i, name in enumerate(SCENARIOS)}
-    porder = {name: i for i, name in enumerate(POLICIES)}
-    rows = []
-    for (scenario, policy), runs in sorted(
-        groups.items(), key=lambda kv: (order[kv[0][0]], porder[kv[0][1]])
-    ):
+class Tally:
+    """The table's figures, summed up run by run, so a sweep need not keep its runs.
+
+    Each (scenario, policy) keeps one running sum and count per metric, in the
+    order the runs are added; fed in canonical order (as ``sweep.stream`` yields
+    them) the sums, and so the table, are those of summing every run at the end.
+    """
+
+    def __init__(self) -> None:
+        self._groups: dict[tuple[str, str], _Group] = {}
+
+    def add(self, r: RunResult) -> None:
+        """Count one run in its (scenario, policy) group."""
+        group = self._groups.get((r.scenario, r.policy))
+        if group is None:
+            group = self._groups[(r.scenario, r.policy)] = _Group()
+        group.add(r)
+
+    def rows(self) -> list[Row]:
+        """One row per (scenario, policy), in the canonical order."""
+        order = {name: i for i, name in enumerate(SCENARIOS)}
+        porder = {name: i for i, name in enumerate(POLICIES)}
+        keys = sorted(self._groups, key=lambda k: (order[k[0]], porder[k[1]]))
+        return [self._groups[k].row(*k) for k in keys]
+
+
+class _Group:
+    """Running sums of one (scenario, policy)."""
+
+    def __init__(self) -> None:
+        self.runs = 0
+        self.sums: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        self.reclaim_max: float | None = None
+        self.liveness = 0
+        self.counters: dict[str, float] = {}
+
+    def add(self, r: RunResult) -> None:
+        self.runs += 1
+        for key in METRIC_KEYS:
+            v = r.metrics[key]
+            if v is not None:
+                self.sums[key] = self.sums.get(key, 0.0) + float(v)
+                self.counts[key] = self.counts.get(key, 0) + 1
+        reclaim = r.metrics["reclaim_s"]
+        if reclaim is not None:
+            worst = self.reclaim_max
+            self.reclaim_max = float(reclaim) if worst is None else max(worst, float(reclaim))
+        self.liveness += r.liveness_violations
+        for k, v in r.extra.items():
+            if k.startswith("vllm_num_"):
+                self.counters[k] = self.counters.get(k, 0) + v
+
+    def row(self, scenario: str, policy: str) -> Row:
         values: dict[str, float | None] = {}
         for key in METRIC_KEYS:
-            xs = [float(v) for r in runs if (v := r.metrics[key]) is not None]
-            if not xs:
+            if key not in self.counts:
                 values[key] = None
             elif key in SUMMED:
-                values[key] = sum(xs)
+                values[key] = self.sums[key]
             else:
-                values[key] = sum(xs) / len(xs)
-        reclaims = [float(v) for r in runs if (v := r.metrics["reclaim_s"]) is not None]
-        counters: dict[str, float] = {}
-        for r in runs:
-            for k, v in r.extra.items():
-                if k.startswith("vllm_num_"):
-                    counters[k] = counters.get(k, 0) + v
-        rows.append(
-            Row(
-                scenario=scenario,
-                policy=policy,
-                runs=len(runs),
-                values=values,
-                reclaim_max=max(reclaims) if reclaims else None,
-                liveness=sum(r.liveness_violations for r in runs),
-                counters=counters,
-            )
+                values[key] = self.sums[key] / self.counts[key]
+        return Row(
+            scenario=scenario,
+            policy=policy,
+            runs=self.runs,
+            values=values,
+            reclaim_max=self.reclaim_max,
+            liveness=self.liveness,
+            counters=dict(self.counters),
         )
-    return rows
+
+
+def aggregate(results: Iterable[RunResult]) -> list[Row]:
+    """Group runs by (scenario, policy) in the canonical order."""
+    tally = Tally()
+    for r in results:
+        tally.add(r)
+    return tally.rows()
 
 
 def _fmt(key: str, value: float | None) -> str:
@@ -209,7 +254,11 @@ def _fenced_premature(group: Sequence[Row]) -> str:
 
 def print_report(console: Out, results: Sequence[RunResult], *, liveness: bool, seeds: int) -> None:
     """Table, legend and conclusions."""
-    rows = aggregate(results)
+    print_rows(console, aggregate(results), liveness=liveness, seeds=seeds)
+
+
+def print_rows(console: Out, rows: Sequence[Row], *, liveness: bool, seeds: int) -> None:
+    """Table, legend and conclusions of aggregated rows (:class:`Tally`)."""
     print_table(console, rows, liveness=liveness, seeds=seeds)
     console.print("[bold]Columns[/bold]")
     for key in METRIC_KEYS:
@@ -230,6 +279,46 @@ def write_json(results: Sequence[RunResult], path: str | Path) -> None:
     """``{"runs": [...]}`` exactly as documented in spec/simulator.md."""
     doc = {"runs": [r.to_json() for r in results]}
     Path(path).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+
+
+class JsonRuns:
+    """``write_json``'s document, built run by run in a temporary file instead of in memory.
+
+    The bytes are those of ``json.dumps({"runs": [...]}, indent=2)``: each run
+    is dumped alone and indented to its depth in the list. The target is
+    written only by :meth:`write`, so a sweep that stops half-way leaves it as
+    it was.
+    """
+
+    _INDENT = " " * 4
+    """A run's depth: inside the document's object, inside the ``runs`` list."""
+
+    def __init__(self) -> None:
+        # Kept open across calls; write() or close() ends it (an unnamed file: gone at exit).
+        self._spool: IO[str] = tempfile.TemporaryFile("w+", encoding="utf-8")  # noqa: SIM115
+        self._count = 0
+
+    def add(self, r: RunResult) -> None:
+        """Append one run (in canonical order)."""
+        entry = textwrap.indent(json.dumps(r.to_json(), indent=2), self._INDENT)
+        self._spool.write((",\n" if self._count else "") + entry)
+        self._count += 1
+
+    def write(self, path: str | Path) -> None:
+        """Write the whole document to ``path`` and drop the spool."""
+        self._spool.seek(0)
+        with open(path, "w", encoding="utf-8") as out:
+            if not self._count:
+                out.write('{\n  "runs": []\n}\n')
+            else:
+                out.write('{\n  "runs": [\n')
+                shutil.copyfileobj(self._spool, out)
+                out.write("\n  ]\n}\n")
+        self.close()
+
+    def close(self) -> None:
+        """Drop the spool."""
+        self._spool.close()
 
 
 COLORS = {
