@@ -8,10 +8,12 @@ working ``kvproto simulate``.
 
 from __future__ import annotations
 
+import os
 import re
 import sys
+import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from typing import Any, Protocol, TextIO, cast
 
 _MARKUP = re.compile(r"\[/?(?:bold|dim|red|green|cyan|yellow)?\]")
@@ -57,10 +59,20 @@ def make_console(width: int | None = None) -> Out:
     return Console() if sys.stdout.isatty() else Console(width=width)
 
 
+PLAIN_EVERY_S = 30.0
+"""Off a terminal (a CI log), a progress line at most this often: a long sweep shows it is alive."""
+
+
 def progress(out: Out, total: int) -> AbstractContextManager[Callable[[], None]]:
-    """A progress bar over ``total`` steps (rich only; nothing without it)."""
+    """Progress over ``total`` runs, on stderr so that stdout keeps only the report.
+
+    On a terminal: rich's bar, or a counter redrawn in place without rich.
+    Elsewhere: one line every :data:`PLAIN_EVERY_S` seconds.
+    """
+    if not sys.stderr.isatty():
+        return _PlainProgress(total, redraw=False)
     if isinstance(out, PlainConsole):
-        return nullcontext(lambda: None)
+        return _PlainProgress(total, redraw=True)
     from rich.console import Console
     from rich.progress import (
         BarColumn,
@@ -75,10 +87,45 @@ def progress(out: Out, total: int) -> AbstractContextManager[Callable[[], None]]
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
-        console=cast(Console, out),
+        console=Console(stderr=True),
         transient=True,
     )
     return _RichProgress(bar, total)
+
+
+class _PlainProgress(AbstractContextManager[Callable[[], None]]):
+    """``done/total runs`` on stderr: redrawn in place (a terminal) or a line now and then."""
+
+    def __init__(self, total: int, *, redraw: bool) -> None:
+        self.total = total
+        self.redraw = redraw
+        self.every = 0.1 if redraw else PLAIN_EVERY_S
+        self.done = 0
+        self.started = self.shown = time.monotonic()
+
+    def __enter__(self) -> Callable[[], None]:
+        return self.advance
+
+    def advance(self) -> None:
+        self.done += 1
+        now = time.monotonic()
+        if now - self.shown < self.every:
+            return
+        self.shown = now
+        text = (
+            f"{self.done:,}/{self.total:,} runs ({self.done / self.total:.0%}), "
+            f"{now - self.started:.0f} s"
+        )
+        if self.redraw:
+            sys.stderr.write(f"\r{text}")
+        else:
+            sys.stderr.write(f"kvproto simulate: {text}\n")
+        sys.stderr.flush()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.redraw and self.shown != self.started:
+            sys.stderr.write("\r\x1b[K")  # the counter was transient: leave a clean line
+            sys.stderr.flush()
 
 
 class _RichProgress(AbstractContextManager[Callable[[], None]]):
@@ -93,6 +140,53 @@ class _RichProgress(AbstractContextManager[Callable[[], None]]):
 
     def __exit__(self, *exc: object) -> None:
         self.bar.__exit__(*exc)
+
+
+class _ClosedPipeSafe:
+    """A text stream that treats its reader going away as the end of the output.
+
+    ``kvproto simulate | head -1``: once ``head`` has its line, writing raises
+    BrokenPipeError. The command's work (and the files it writes) should not
+    depend on who reads its report, so later output is dropped instead, and the
+    stream's descriptor is pointed at the null device so that the interpreter's
+    own flush at exit does not fail either.
+    """
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self._gone = False
+
+    def write(self, text: str) -> int:
+        if not self._gone:
+            try:
+                return self._stream.write(text)
+            except BrokenPipeError:
+                self._drop()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._gone:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._drop()
+
+    def _drop(self) -> None:
+        self._gone = True
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null, self._stream.fileno())
+        finally:
+            os.close(null)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def survive_closed_stdout() -> None:
+    """Make ``sys.stdout`` drop what it cannot write once its reader has gone."""
+    if not isinstance(sys.stdout, _ClosedPipeSafe):
+        sys.stdout = cast(TextIO, _ClosedPipeSafe(sys.stdout))
 
 
 def render_table(
