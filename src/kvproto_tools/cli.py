@@ -2,7 +2,8 @@
 
 ``kvproto simulate`` with no arguments runs every scenario under the four
 default policies once and prints the comparison table; spec/simulator.md is
-its manual. ``conformance`` and ``bench`` hand their arguments to the
+its manual, and ``kvproto simulate --explain`` prints its figures' definitions
+(the wheel ships no spec/). ``conformance`` and ``bench`` hand their arguments to the
 transport conformance kit and the benchmarks, imported only when asked for.
 
 Errors a user can make (an unknown or empty selection, an output path that
@@ -19,14 +20,15 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-from kvproto_tools.outpaths import OutputPathError, check_output
-from kvproto_tools.sim.console import Out, make_console, progress
+from kvproto_tools.outpaths import OutputPathError, check_output, writing
+from kvproto_tools.sim.console import Out, make_console, progress, survive_closed_stdout
 from kvproto_tools.sim.engine import RunResult
+from kvproto_tools.sim.explain import explain
 from kvproto_tools.sim.oracles import Violation
 from kvproto_tools.sim.policies import DEFAULT_POLICIES, POLICIES
-from kvproto_tools.sim.report import print_report, write_json
+from kvproto_tools.sim.report import LABELS, JsonRuns, Tally, print_rows
 from kvproto_tools.sim.scenarios import DEFAULT_SET, FAULT_SCENARIOS, SCENARIOS
-from kvproto_tools.sim.sweep import plan, sweep
+from kvproto_tools.sim.sweep import Plan, stream
 
 EXTRA_OF = {"rich": "tools", "matplotlib": "tools"}
 """Optional modules and the extra that installs them."""
@@ -139,6 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the shortened trace of every run with a violation",
     )
     sim.add_argument(
+        "--explain",
+        action="store_true",
+        help="print what every figure of the table means, then exit",
+    )
+    sim.add_argument(
         "--jobs",
         type=int,
         default=None,
@@ -174,32 +181,48 @@ def _delegate(module: str, argv: Sequence[str], what: str) -> int:
     return int(entry(list(argv)) or 0)
 
 
-def _violations(console: Out, results: Sequence[RunResult], *, trace_all: bool) -> int:
-    """Print violating runs; returns how many kvproto runs violated an oracle.
+class Findings:
+    """The violating runs the report prints, kept while the runs stream past.
 
-    kvproto's violations are bugs: each is printed in full. The baselines' are
-    their known failures: printed in full only with ``--trace`` (or for a
-    single run), else summed up in one line per policy.
+    kvproto's violations are bugs: every such run is kept and printed in full.
+    The baselines' are their known failures: kept and printed in full only when
+    asked for (``--trace``, or a single run), else counted per policy with the
+    first run as the example, so a long sweep keeps a few runs, not millions.
     """
-    fenced, baselines = _violating_runs(results)
-    in_full = trace_all or len(results) == 1
-    for r in fenced + (baselines if in_full else []):
+
+    def __init__(self, *, in_full: bool) -> None:
+        self.in_full = in_full
+        self.fenced: list[RunResult] = []
+        self.baselines: list[RunResult] = []
+        self.known: dict[str, tuple[int, RunResult]] = {}
+        self.fenced_runs = 0
+
+    def add(self, r: RunResult) -> None:
+        """Look at one run (in canonical order)."""
+        if r.policy == FENCED_POLICY:
+            self.fenced_runs += 1
+        if not (r.violations or r.liveness):
+            return
+        if r.policy == FENCED_POLICY:
+            self.fenced.append(r)
+        elif self.in_full:
+            self.baselines.append(r)
+        else:
+            count, first = self.known.get(r.policy, (0, r))
+            self.known[r.policy] = (count + 1, first)
+
+
+def _violations(console: Out, found: Findings) -> int:
+    """Print violating runs; returns how many kvproto runs violated an oracle."""
+    for r in found.fenced + found.baselines:
         _print_violation(console, r)
-    if baselines and not in_full:
-        console.print(_known_failures(baselines))
-    if not fenced:
-        n = sum(r.policy == FENCED_POLICY for r in results)
-        console.print(f"[green]{FENCED_POLICY}: no oracle violation in {n} run(s).[/green]")
-    return len(fenced)
-
-
-def _violating_runs(results: Sequence[RunResult]) -> tuple[list[RunResult], list[RunResult]]:
-    """(kvproto's runs with a violation, the baselines'), each in run order."""
-    split: dict[bool, list[RunResult]] = {True: [], False: []}
-    for r in results:
-        if r.violations or r.liveness:
-            split[r.policy == FENCED_POLICY].append(r)
-    return split[True], split[False]
+    if found.known:
+        console.print(_known_failures(found.known))
+    if not found.fenced:
+        console.print(
+            f"[green]{FENCED_POLICY}: no oracle violation in {found.fenced_runs} run(s).[/green]"
+        )
+    return len(found.fenced)
 
 
 def _first_violation(r: RunResult) -> Violation:
@@ -224,15 +247,12 @@ def _print_violation(console: Out, r: RunResult) -> None:
             console.print("    " + line, markup=False, highlight=False)
 
 
-def _known_failures(baselines: Sequence[RunResult]) -> str:
+def _known_failures(known: dict[str, tuple[int, RunResult]]) -> str:
     """One line for the baselines' violating runs: per policy, how many and one example."""
-    by_policy: dict[str, list[RunResult]] = {}
-    for r in baselines:
-        by_policy.setdefault(r.policy, []).append(r)
     summary = "; ".join(
-        f"{p}: {len(rs)} run(s), e.g. {rs[0].scenario} seed {rs[0].seed} "
-        f"({_first_violation(rs[0]).kind})"
-        for p, rs in by_policy.items()
+        f"{p}: {count} run(s), e.g. {first.scenario} seed {first.seed} "
+        f"({_first_violation(first).kind})"
+        for p, (count, first) in known.items()
     )
     return (
         f"Known failures of the baselines reproduced - {summary}. "
@@ -240,7 +260,7 @@ def _known_failures(baselines: Sequence[RunResult]) -> str:
     )
 
 
-def _check_simulate(args: argparse.Namespace) -> tuple[list[str], list[str], list[int]]:
+def _check_simulate(args: argparse.Namespace) -> tuple[list[str], list[str], range]:
     """Everything a simulate command line can get wrong, before any run starts."""
     scenarios = _names(args.scenario, list(SCENARIOS), DEFAULT_SET, "--scenario")
     policies = _names(args.policy, list(POLICIES), DEFAULT_POLICIES, "--policy")
@@ -262,17 +282,55 @@ def _check_simulate(args: argparse.Namespace) -> tuple[list[str], list[str], lis
             raise UsageError(
                 f"--plot needs matplotlib; install it with {install_hint('matplotlib')}"
             ) from None
-    return scenarios, policies, list(range(args.seed, args.seed + args.seeds))
+    return scenarios, policies, range(args.seed, args.seed + args.seeds)
+
+
+class _Collected:
+    """What the report needs from a sweep, gathered run by run (no run is kept for the table)."""
+
+    def __init__(self, args: argparse.Namespace, total: int) -> None:
+        self.tally = Tally()
+        self.found = Findings(in_full=args.trace or total == 1)
+        self.json = JsonRuns() if args.json else None
+        self.timelines: list[RunResult] = []
+
+    def add(self, r: RunResult) -> None:
+        self.tally.add(r)
+        self.found.add(r)
+        if self.json is not None:
+            self.json.add(r)
+        if r.timeline:
+            self.timelines.append(r)
+
+
+def _run_all(console: Out, tasks: Plan, jobs: int, args: argparse.Namespace) -> _Collected:
+    """Run the sweep, feeding each run to the collectors as it ends, with progress."""
+    got = _Collected(args, len(tasks))
+    if len(tasks) > 1:
+        with progress(console, len(tasks)) as advance:
+            for r in stream(tasks, len(tasks), jobs=jobs, progress=lambda r: advance()):
+                got.add(r)
+    else:
+        for r in stream(tasks, len(tasks), jobs=1):
+            got.add(r)
+    return got
 
 
 def simulate(args: argparse.Namespace) -> int:
     """``kvproto simulate``."""
-    scenarios, policies, seeds = _check_simulate(args)
     # A table of ten columns needs ~130 characters; a pipe or CI log gets that
     # width instead of rich's 80-column default.
     console = make_console(width=140)
-    tasks = plan(
-        scenarios, policies, seeds, liveness=args.liveness, timelines=args.plot is not None
+    if args.explain:
+        explain(console, LABELS)
+        return 0
+    scenarios, policies, seeds = _check_simulate(args)
+    tasks = Plan(
+        scenarios=scenarios,
+        policies=policies,
+        seeds=seeds,
+        liveness=args.liveness,
+        timelines=args.plot is not None,
     )
     jobs = args.jobs or os.cpu_count() or 1
     console.print(
@@ -281,34 +339,41 @@ def simulate(args: argparse.Namespace) -> int:
         + (" with liveness checks" if args.liveness else "")
     )
     started = time.perf_counter()
-    if len(tasks) > 1:
-        with progress(console, len(tasks)) as advance:
-            results = sweep(tasks, jobs=jobs, progress=lambda r: advance())
-    else:
-        results = sweep(tasks, jobs=1)
+    got = _run_all(console, tasks, jobs, args)
     wall = time.perf_counter() - started
-    print_report(console, results, liveness=args.liveness, seeds=len(seeds))
-    failures = _violations(console, results, trace_all=args.trace)
-    if args.json:
-        write_json(results, args.json)
-        console.print(f"wrote {args.json}")
-    if args.plot:
-        from kvproto_tools.sim.report import plot
-
-        plot(results, args.plot)
-        console.print(f"wrote {args.plot}")
+    print_rows(console, got.tally.rows(), liveness=args.liveness, seeds=len(seeds))
+    failures = _violations(console, got.found)
+    _write_outputs(console, args, got)
     console.print(f"{len(tasks)} run(s) in {wall:.1f} s.")
     if not args.json and not args.plot:
         console.print(
             "Add --plot held.png to see held blocks over time, --json runs.json for "
-            "the figures; spec/simulator.md explains every number."
+            "the figures; kvproto simulate --explain says what every number means."
         )
     return 1 if failures else 0
+
+
+def _write_outputs(console: Out, args: argparse.Namespace, got: _Collected) -> None:
+    """The --json and --plot files; a write that fails after all is a usage error."""
+    try:
+        if got.json is not None:
+            with writing(args.json, "--json"):
+                got.json.write(args.json)
+            console.print(f"wrote {args.json}")
+        if args.plot:
+            from kvproto_tools.sim.report import plot
+
+            with writing(args.plot, "--plot"):
+                plot(got.timelines, args.plot)
+            console.print(f"wrote {args.plot}")
+    except OutputPathError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvproto`` console script."""
     args_list = list(sys.argv[1:] if argv is None else argv)
+    survive_closed_stdout()
     # Delegated commands own their options (argparse would claim a leading "--x").
     if args_list and args_list[0] in _DELEGATES:
         module = _DELEGATES[args_list[0]]
