@@ -70,11 +70,18 @@ def run_case(case: Case, factory: TransportFactory, *, strict: bool = False) -> 
 
 
 def select(cases: Iterable[Case], only: Iterable[str] | None) -> list[Case]:
-    """Cases whose id equals, or starts with ``<prefix>.``, one of ``only`` (all if None)."""
-    wanted = list(only) if only is not None else None
+    """Cases whose id equals, or starts with ``<prefix>.``, one of ``only`` (all if None).
+
+    Ids are matched without regard to case: ``t3.2`` is T3.2, as a user types it.
+    """
+    wanted = [w.strip().upper() for w in only] if only is not None else None
     if not wanted:
         return list(cases)
-    return [c for c in cases if any(c.id == w or c.id.startswith(w + ".") for w in wanted)]
+    return [
+        c
+        for c in cases
+        if any(c.id.upper() == w or c.id.upper().startswith(w + ".") for w in wanted)
+    ]
 
 
 def run_conformance(
