@@ -23,6 +23,23 @@ GROUPS = {
 """Case id prefix -> the concern its cases check."""
 
 
+UNITS = {
+    "T2.3": "B",
+    "T2.6": "inversions",
+    "T2.7": "duplicates",
+    "T2.8": "missing",
+    "T2.9": "s",
+    "T2.10": "s",
+    "T2.11": "s",
+    "T4.1": "s",
+    "T4.2": "s",
+    "T5.1": "B/cycle",
+}
+"""Case id -> the unit of the figure its Outcome.measured reports (the JSON keeps the bare
+number). Kept beside the registry, not in each case: the report needs it, the cases do not;
+tests/conformance/test_conformance_cli.py holds it to the cases that report a figure."""
+
+
 class Unsupported(Exception):
     """Raised by a case when the transport declared it cannot do what the case needs."""
 
@@ -57,6 +74,11 @@ class Case:
     """What in the lease protocol breaks if the requirement does not hold."""
     run: Callable[[Ctx], Outcome]
     """The check itself."""
+
+    @property
+    def unit(self) -> str | None:
+        """The unit of the figure this case measures (:data:`UNITS`), or None."""
+        return UNITS.get(self.id)
 
     @property
     def group(self) -> str:
