@@ -10,38 +10,38 @@ found before any case runs.
 from __future__ import annotations
 
 import argparse
-import os
+import re
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
-from kvproto_transports.conformance.discovery import UnknownTransport, available, load_factory
+from kvproto_tools.outpaths import OutputPathError, check_output, writing
+from kvproto_transports.conformance.discovery import (
+    UnknownTransport,
+    available,
+    install_hint,
+    load_factory,
+)
 from kvproto_transports.conformance.factory import TransportFactory
 from kvproto_transports.conformance.registry import all_cases
 from kvproto_transports.conformance.report import print_table, write_json, write_junit
 from kvproto_transports.conformance.runner import run_conformance, select
 
-INSTALL = {
-    "nixl": "pip install 'kvproto[nixl]' (NIXL: nixl-cu12)",
-    "ucx": "pip install 'kvproto[ucx]' (UCX: ucxx-cu12)",
-}
-"""How to install the library behind each built-in transport."""
+_LIBRARY_HINT = re.compile(r";?\s*pip install [^;]*$")
+"""A transport's own install hint at the end of its message (it names the library unpinned)."""
 
 
 class _Usage(Exception):
     """One line for stderr; exit status 2."""
 
 
-def _check_output(path: str, option: str) -> None:
-    p = Path(path)
-    if p.is_dir():
-        raise _Usage(f"{option} {p}: is a directory, not a file")
-    if not p.parent.is_dir():
-        raise _Usage(f"{option} {p}: directory {p.parent} does not exist")
-    if not os.access(p.parent, os.W_OK | os.X_OK):
-        raise _Usage(f"{option} {p}: directory {p.parent} is not writable")
-    if p.exists() and not os.access(p, os.W_OK):
-        raise _Usage(f"{option} {p}: file exists and is not writable")
+def _check_outputs(args: argparse.Namespace) -> None:
+    try:
+        if args.json:
+            check_output(args.json, "--json")
+        if args.junit:
+            check_output(args.junit, "--junit")
+    except OutputPathError as exc:
+        raise _Usage(str(exc)) from None
 
 
 def _check_cases(only: Sequence[str] | None) -> None:
@@ -67,16 +67,29 @@ def _preflight(name: str) -> TransportFactory:
         raise _Usage(str(exc)) from None
     try:
         factory.create_group(1).close()
-    except ImportError as exc:
-        hint = INSTALL.get(name, "install the library it needs")
-        raise _Usage(f"transport {name!r} cannot start: {_one_line(exc)}; {hint}") from None
     except Exception as exc:
-        cause = exc.__cause__ if isinstance(exc.__cause__, ImportError) else None
-        hint = f"; {INSTALL.get(name, 'install the library it needs')}" if cause else ""
-        raise _Usage(
-            f"transport {name!r} cannot start: {type(exc).__name__}: {_one_line(exc)}{hint}"
-        ) from None
+        raise _Usage(_cannot_start(name, exc)) from None
     return factory
+
+
+def _cannot_start(name: str, exc: Exception) -> str:
+    """Why ``name`` cannot start, and, when a library is missing, the one line that installs it.
+
+    The install line is the extra's, with the pins pyproject.toml declares, so the
+    transport's own unpinned hint is dropped from its message: one line to run, not two.
+    """
+    missing = (
+        isinstance(exc, ImportError)
+        or isinstance(exc.__cause__, ImportError)
+        or type(exc).__name__.endswith("Unavailable")
+    )
+    what = _one_line(exc)
+    if not isinstance(exc, ImportError):
+        what = f"{type(exc).__name__}: {what}"
+    if not missing:
+        return f"transport {name!r} cannot start: {what}"
+    hint = install_hint(name) or "install the library it needs"
+    return f"transport {name!r} cannot start: {_LIBRARY_HINT.sub('', what)}; {hint}"
 
 
 def _one_line(exc: BaseException) -> str:
@@ -115,20 +128,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.transport:
             raise _Usage("--transport NAME is required (kvproto conformance --list shows them)")
         _check_cases(args.case)
-        if args.json:
-            _check_output(args.json, "--json")
-        if args.junit:
-            _check_output(args.junit, "--junit")
+        _check_outputs(args)
         factory = _preflight(args.transport)
     except _Usage as exc:
         print(f"kvproto conformance: {exc}", file=sys.stderr)
         return 2
     report = run_conformance(factory, strict=args.strict, only=args.case)
     print_table(report)
-    if args.json:
-        write_json(report, args.json)
-    if args.junit:
-        write_junit(report, args.junit)
+    try:
+        if args.json:
+            with writing(args.json, "--json"):
+                write_json(report, args.json)
+        if args.junit:
+            with writing(args.junit, "--junit"):
+                write_junit(report, args.junit)
+    except OutputPathError as exc:
+        print(f"kvproto conformance: {exc}", file=sys.stderr)
+        return 2
     return 1 if report.failed else 0
 
 
