@@ -27,7 +27,7 @@ class Figure:
     unit: str
     """``ns``, ``us``, ``ms``, ``B``, ``ticks`` or ``exponent``."""
     anchor: str | None = None
-    """What the value is compared against (e.g. ``vllm-v4 full-scan reaper``), or None."""
+    """What the value is compared against (e.g. ``vllm-lease full-scan reaper (vLLM 0.32.0)``), or None."""
     anchor_value: float | None = None
     """The anchor's measurement in the same run and unit, or None."""
     target: str | None = None

@@ -93,7 +93,7 @@ def measure(n: int) -> list[Figure]:
             size=n,
             value=ours_bytes / n,
             unit="B",
-            anchor="vllm-v4 lease dict",
+            anchor="vllm-lease lease dict",
             anchor_value=theirs_bytes / n,
         ),
         Figure(
@@ -101,7 +101,7 @@ def measure(n: int) -> list[Figure]:
             size=n,
             value=ours_gc,
             unit="ms",
-            anchor="vllm-v4 lease dict",
+            anchor="vllm-lease lease dict",
             anchor_value=theirs_gc,
         ),
         Figure(
@@ -109,7 +109,7 @@ def measure(n: int) -> list[Figure]:
             size=n,
             value=ours_added,
             unit="ms",
-            anchor="vllm-v4 lease dict",
+            anchor="vllm-lease lease dict",
             anchor_value=theirs_added,
         ),
     ]

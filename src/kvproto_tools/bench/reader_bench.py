@@ -174,7 +174,7 @@ def measure(n: int, engines: int, plan: Plan) -> list[Figure]:
             size=n,
             value=statistics.median(ours_track),
             unit="ns",
-            anchor="vllm-v4 on_new_request",
+            anchor="vllm-lease on_new_request",
             anchor_value=statistics.median(theirs_track),
         ),
         Figure(
@@ -182,7 +182,7 @@ def measure(n: int, engines: int, plan: Plan) -> list[Figure]:
             size=n,
             value=floor,
             unit="ns",
-            anchor="vllm-v4 on_new_request",
+            anchor="vllm-lease on_new_request",
             anchor_value=statistics.median(theirs_track),
         ),
         Figure(
@@ -190,7 +190,7 @@ def measure(n: int, engines: int, plan: Plan) -> list[Figure]:
             size=n,
             value=kv_idle / 1e3,
             unit="us",
-            anchor="vllm-v4 throttled step",
+            anchor="vllm-lease throttled step",
             anchor_value=vv_idle / 1e3,
         ),
         Figure(
@@ -198,7 +198,7 @@ def measure(n: int, engines: int, plan: Plan) -> list[Figure]:
             size=n,
             value=kv_tick / 1e3,
             unit="us",
-            anchor="vllm-v4 HB: build, all engines",
+            anchor="vllm-lease HB: build, all engines",
             anchor_value=vv_tick / 1e3,
         ),
         Figure(
@@ -206,7 +206,7 @@ def measure(n: int, engines: int, plan: Plan) -> list[Figure]:
             size=n,
             value=statistics.median(sizes) / n,
             unit="B",
-            anchor="vllm-v4 HB: text",
+            anchor="vllm-lease HB: text",
             anchor_value=statistics.median(vsizes) / n,
         ),
     ]

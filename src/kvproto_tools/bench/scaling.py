@@ -70,7 +70,7 @@ def growth_figures(figures: list[Figure]) -> list[Figure]:
                 size=pts[-1][0],
                 value=slope(xs, [p[1] for p in pts]),
                 unit="exponent",
-                anchor="vllm-v4 (same curve)",
+                anchor="vllm-lease (same curve)",
                 anchor_value=slope(xs, [p[2] for p in pts]),
                 target="~0 (O(1))",
                 met=slope(xs, [p[1] for p in pts]) < 0.25,
