@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from kvproto_tools.sim import RunResult
 from kvproto_tools.sim.report import aggregate, conclusions, curve_groups, plot
 from kvproto_tools.sim.sweep import Task, run_task
@@ -49,3 +51,29 @@ def test_vllms_own_counters_are_reported_where_it_served_freed_blocks() -> None:
     normal, slow = conclusions(aggregate(runs))
     assert f"num_notifications_after_expiry {late:.0f}" in slow and "not a fence" in slow
     assert "num_notifications_after_expiry" not in normal
+
+
+def test_plot_keeps_each_policys_colour_and_marks_the_fault_and_reclaims(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shared line is striped in every member's colour; the crash is a vertical line and
+    every policy's reclaim time is in the panel's title (kvproto's 1 s beside 29 s)."""
+    import matplotlib.figure
+    from matplotlib.colors import to_hex
+
+    from kvproto_tools.sim.report import COLORS
+
+    saved: list[matplotlib.figure.Figure] = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: saved.append(fig))
+    runs = [
+        run_task(Task(scenario="decode-crash-reported", policy=p, seed=0, timeline=True))
+        for p in ("fixed-short", "vllm-lease", "kvproto")
+    ]
+    plot(runs, tmp_path / "held.png")
+    ax = saved[0].axes[0]
+    colours = {to_hex(line.get_color()) for line in ax.get_lines()}
+    assert {to_hex(COLORS[p]) for p in ("fixed-short", "vllm-lease", "kvproto")} <= colours
+    fault = [line for line in ax.get_lines() if list(line.get_xdata()) == [60.0, 60.0]]
+    assert fault, "no vertical line at the crash"
+    title = ax.get_title()
+    assert "kvproto 1.0" in title and "vllm-lease 29.2" in title
