@@ -32,6 +32,7 @@ REGIONS = 2
 EXTERNAL = {
     "nixl": "kvproto_transports.nixl.bench",
     "ucx": "kvproto_transports.ucx.bench",
+    "mooncake": "kvproto_transports.mooncake.bench",
 }
 
 
