@@ -110,7 +110,8 @@ class ReadOrder(msgspec.Struct, frozen=True, kw_only=True):
     peer: PeerId
     """That rank's transport peer."""
     notify: bytes
-    """The done frame to attach to the read (arrives after the data)."""
+    """The done frame to attach to the read (arrives after the data); empty when a
+    sibling's read of the same lease carries it (:class:`kvproto.reader_session.Fanout`)."""
     local_slice: BlockSlice
     """Which part of each local block this read fills."""
     remote_slice: BlockSlice

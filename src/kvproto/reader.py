@@ -41,6 +41,7 @@ from kvproto.events import (
     ReadGo,
     ReadOrder,
     RequestFailed,
+    SendFrame,
 )
 from kvproto.reader_dones import AwaitedDones, done_frame, verdict_of
 from kvproto.reader_frames import Unheard, heard
@@ -53,7 +54,7 @@ from kvproto.reader_requests import (
     in_sync_bound,
     renewable,
 )
-from kvproto.reader_session import NEED_KEEPS_STATE, ReaderSide, Session
+from kvproto.reader_session import NEED_KEEPS_STATE, Fanout, ReaderSide, Session
 from kvproto.reader_sessions import HolderSessions
 from kvproto.states import (
     DoneAckAction,
@@ -74,6 +75,9 @@ _HOLDER_ALREADY_ENDED = frozenset(
 # Enum members as module constants: CPython 3.11 resolves ``State.MEMBER`` through
 # a descriptor, ~10x a global's cost, and these are read on every track, tick and ack.
 _AWAITING_ACK = ReadState.AWAITING_ACK
+_CLAIMED = ReadState.CLAIMED
+_DEFERRED = ReadState.DEFERRED
+_TRACKED = ReadState.TRACKED
 _CONNECTING = SessionState.CONNECTING
 _FINISHED = ReadState.FINISHED
 _HELLO_SENT = SessionState.HELLO_SENT
@@ -87,6 +91,11 @@ _ON_READ_DONE = ReadInput.READ_DONE
 _OPEN = SessionState.OPEN
 _READING = ReadState.READING
 _STARTED = frozenset({_READING, _AWAITING_ACK})
+_UNSTARTED = frozenset({_TRACKED, _CLAIMED, _DEFERRED})
+_STILL_READS = _UNSTARTED | {_READING}
+"""A lease's reader in these states has still to read it (its lease must stay held)."""
+_NEEDS_LEASE = _STILL_READS | {_AWAITING_ACK}
+"""... and in these it still needs the lease not aborted (a verdict may be on its way)."""
 _WHOLE = (BlockSlice.FULL, BlockSlice.FULL)  # a done-only order's (unused) slices
 _UNKNOWN = -math.inf  # Reader._wake: an input came since get_timer last looked
 _NEVER = math.inf  # Reader._wake: no timer is set
@@ -138,6 +147,8 @@ class Reader:
         self._timers = holders.timers  # track schedules the claim's heartbeat itself
         self._routes = holders.routes  # and reads the route cache before asking for a route
         self._by_lease = holders.by_lease
+        self._fanout = holders.fanout
+        """Holder engine → lease id → its readers, for leases several requests read."""
         """Holder engine → lease id → request id (each engine's sessions share its dict)."""
         self._prove = claim_prover(engine)
         """The claim proof of a ticket, with this reader's engine in it prepared once."""
@@ -159,8 +170,7 @@ class Reader:
         is tracked already is misuse: :class:`LocalProtocolError`.
         """
         self._wake = _UNKNOWN
-        requests = self._requests
-        if request_id in requests:
+        if request_id in self._requests:
             raise LocalProtocolError(f"request {request_id!r} is already tracked")
         self.stats.tracked += 1
         # First: the ticket bounds holder_tp_size before it picks the sessions.
@@ -170,7 +180,7 @@ class Reader:
             route = self._routes.get((ticket.holder_engine, ticket.holder_tp_size))
             sessions = self._holders.route(ticket) if route is None else route
         if not sessions:
-            req = requests[request_id] = Request(request_id, ticket, b"", now, {})
+            req = self._requests[request_id] = Request(request_id, ticket, b"", now, {})
             self._fail(now, req, FailReason.BAD_TICKET)
             return
         lease = ticket.lease
@@ -197,12 +207,16 @@ class Reader:
                     restarted.append(session)
             elif session.skew.known and bounds.ticket_bound(session.skew, ticket, now) <= now:
                 problem = FailReason.BAD_TICKET
-        req = requests[request_id] = Request(request_id, ticket, proof, now, parts)
+        req = self._requests[request_id] = Request(request_id, ticket, proof, now, parts)
         if problem is not None:
             self._fail(now, req, problem)
             return
         if restarted is not None:
             self._park(now, request_id, restarted)
+        elif (first := sessions[0].by_lease.get(lease)) is not None and self._join(
+            now, req, first, sessions
+        ):
+            return  # another request reads this ticket: one claim and heartbeat serve both
         # What _attach and Beats.hold do, flattened: every request takes this path, and
         # each call was ~0.5k instructions of it. The route's sessions are all of the
         # ticket's engine and share its index: one entry serves them.
@@ -252,6 +266,8 @@ class Reader:
             if part.state is _FINISHED:  # not read, or not confirmed
                 self._dones.forget(request_id, part.rank)
                 self._abort_at(now, req, part.rank)
+        if self._fanout:
+            self._leave(req)
 
     def is_tracked(self, request_id: str) -> bool:
         """Whether ``request_id`` is tracked (tracked and not finished yet)."""
@@ -299,12 +315,27 @@ class Reader:
                 return self._deferrals.defer(now, req, close, self._holders.beat)
             self._decline(now, req)
             return ReadDeclined(reason=FailReason.DEADLINE_TOO_CLOSE)
+        group = self._group_of(req) if self._fanout else None
+        if group is not None and group.done_sent:
+            # A sibling's done went without this request (it had not begun in time): that
+            # done's verdict does not cover this read, and the holder may have freed.
+            self.stats.fanout_late_reads += 1
+            self._fail(now, req, FailReason.LEASE_LOST)
+            return ReadDeclined(reason=FailReason.LEASE_LOST)
         self._deferrals.ids.discard(request_id)
         orders = []
         for rank, part in req.parts.items():
             session = self._sessions[(req.ticket.holder_engine, rank)]
             part.state = read_next(part.state, _ON_BEGIN_READ)
-            part.done_frame = done_frame(req, session.up)
+            if group is None:
+                part.done_frame = done_frame(req, session.up)
+            elif self._last_reader(group, req, rank):
+                # Every sibling's read has landed (or it left): the lease's one done for
+                # this holder rank rides this read, after the data as for a lone reader.
+                part.done_frame = done_frame(req, session.up)
+                self._done_goes(now, group, rank, part.done_frame)
+            else:
+                part.done_frame = b""  # a sibling still reads: the done waits for it
             slices = part_slices(
                 self.rank,
                 self.tp_size,
@@ -342,7 +373,14 @@ class Reader:
         if part.state is not _AWAITING_ACK:  # failed meanwhile: nothing to await
             return
         session = self._sessions[(req.ticket.holder_engine, holder_rank)]
-        self._release(now, session, req.ticket.lease, request_id)
+        group = self._group(session, req) if self._fanout else None
+        if group is None:
+            self._release(now, session, req.ticket.lease, request_id)
+        elif not part.done_frame:
+            self._settle(now, group, session, holder_rank)  # the done goes once all landed
+            return
+        else:
+            self._release_lease(now, session, req.ticket.lease)
         if part.early_held:
             self._held(req, part)
             return
@@ -430,7 +468,10 @@ class Reader:
         dones = self._dones
         if dones.keys:
             self.stats.done_resent += dones.serve(
-                now, lambda req: self._fail(now, req, FailReason.FENCED_NO_ACK), self._out.append
+                now,
+                lambda req: self._fail(now, req, FailReason.FENCED_NO_ACK),
+                self._out.append,
+                lambda req, rank: self._held_back_ran_out(now, req, rank),
             )
         if self._deferrals.ids:
             self._deferrals.expire(now, lambda req: self._decline(now, req))
@@ -496,6 +537,10 @@ class Reader:
             part.lower_bound = max(part.lower_bound, acked)
             part.claimed_seq = min(part.claimed_seq, ack.seq)
             part.state = read_next(part.state, _ON_CLAIM_ACKED)
+            group = session.fanout.get(lease) if session.fanout else None
+            if group is not None:
+                for sibling in self._siblings(group, req.request_id):
+                    self._copy_claim(part, sibling.parts[session.rank])
         for lease in ack.lost:
             beats.pending_claims.pop(lease, None)
             self._lease_failed(now, session, lease, FailReason.LEASE_LOST)
@@ -511,6 +556,10 @@ class Reader:
         if verdict is None:
             self.stats.bad_mac += 1
             return
+        group = session.fanout.get(msg.lease) if session.fanout else None
+        if group is not None and req.request_id in group.members:
+            self._group_verdict(now, session, group, verdict)
+            return
         action = done_ack_action(part.state, verdict)
         if action is DoneAckAction.REMEMBER_HELD:
             part.state = read_next(part.state, _ON_ACK_HELD)
@@ -524,6 +573,186 @@ class Reader:
         else:
             self.stats.unexpected_frames += 1
 
+    # ------------------------------------------------------------ fan-out
+
+    def _join(
+        self,
+        now: float,
+        req: Request,
+        first_id: str,
+        sessions: tuple[Session, ...],
+        *,
+        parked: bool = False,
+    ) -> bool:
+        """``req`` reads the lease ``first_id`` reads (the same ticket): share its claim and
+        heartbeats (:class:`~kvproto.reader_session.Fanout`). False if it is not that lease
+        (lease ids repeat across holder incarnations) or that request failed: the caller
+        tracks ``req`` alone, as before."""
+        first = self._requests.get(first_id)
+        if first is None or first.failed or first.ticket.token != req.ticket.token:
+            return False
+        lease = req.ticket.lease
+        fanout = sessions[0].fanout
+        group = fanout.get(lease)
+        if group is None:
+            group = fanout[lease] = Fanout([first_id])
+        rid = req.request_id
+        if rid not in group.members:
+            group.members.append(rid)
+            self.stats.fanout_joins += 1
+        for session in sessions:
+            self._copy_claim(first.parts[session.rank], req.parts[session.rank])
+        if group.done_sent and not parked:
+            # The lease's done went already: this reader rank is finished with it, and
+            # that done's verdict cannot cover a read begun now.
+            self.stats.fanout_late_reads += 1
+            self._fail(now, req, FailReason.LEASE_LOST)
+        return True
+
+    @staticmethod
+    def _copy_claim(src: Part, dst: Part) -> None:
+        """A sibling shares the lease's claim: what its acknowledgement proved is its too."""
+        dst.lower_bound = max(dst.lower_bound, src.lower_bound)
+        if src.claimed_seq < dst.claimed_seq:
+            dst.claimed_seq = src.claimed_seq
+            dst.state = read_next(dst.state, _ON_CLAIM_ACKED)
+
+    def _siblings(self, group: Fanout, rid: str) -> list[Request]:
+        """The other tracked requests reading ``group``'s lease."""
+        requests = self._requests
+        return [requests[m] for m in group.members if m != rid and m in requests]
+
+    def _group(self, session: Session, req: Request) -> Fanout | None:
+        """``req``'s lease's group on ``session``'s engine, if ``req`` is in one."""
+        group = session.fanout.get(req.ticket.lease)
+        return group if group is not None and req.request_id in group.members else None
+
+    def _group_of(self, req: Request) -> Fanout | None:
+        fanout = self._fanout.get(req.ticket.holder_engine)
+        group = None if not fanout else fanout.get(req.ticket.lease)
+        return group if group is not None and req.request_id in group.members else None
+
+    def _others_need(
+        self, group: Fanout, req: Request, rank: int, states: frozenset[ReadState]
+    ) -> bool:
+        """Whether a sibling of ``req`` is, towards holder ``rank``, in one of ``states``."""
+        return any(
+            not sib.failed and sib.parts[rank].state in states
+            for sib in self._siblings(group, req.request_id)
+        )
+
+    def _last_reader(self, group: Fanout, req: Request, rank: int) -> bool:
+        """``req`` begins the last read of its lease from ``rank``: no sibling is still to."""
+        return not self._others_need(group, req, rank, _STILL_READS)
+
+    def _done_goes(self, now: float, group: Fanout, rank: int, frame: bytes) -> None:
+        """The lease's done for ``rank`` leaves now: the landed siblings await its verdict."""
+        group.done_sent.add(rank)
+        requests = self._requests
+        for rid in group.members:
+            sib = requests.get(rid)
+            if sib is None or sib.failed:
+                continue
+            part = sib.parts[rank]
+            if part.state is _AWAITING_ACK and not part.done_frame:
+                part.done_frame = frame
+                self._dones.expect(now, sib, part)
+
+    def _settle(
+        self, now: float, group: Fanout, session: Session, rank: int, *, force: bool = False
+    ) -> None:
+        """Send the lease's done to ``rank`` once no reader of it is still reading from it.
+
+        A landed read's done is held back while a sibling has not begun its read, for at
+        most ``ack_timeout`` (``force``: that ran out; the done goes without it)."""
+        if rank in group.done_sent:
+            return
+        landed: list[tuple[Request, Part]] = []
+        unstarted = False
+        for rid in group.members:
+            sib = self._requests.get(rid)
+            if sib is None or sib.failed:
+                continue
+            part = sib.parts[rank]
+            if part.state is _READING:
+                return  # its landing settles the group
+            if part.state is _AWAITING_ACK:
+                landed.append((sib, part))
+            elif part.state in _UNSTARTED:
+                unstarted = True
+        if not landed:
+            return
+        if unstarted and not force:
+            for sib, part in landed:
+                if part.ack_deadline == math.inf:
+                    self._dones.hold_back(now, sib, part)
+            return
+        frame = done_frame(landed[0][0], session.up)
+        self._release_lease(now, session, landed[0][0].ticket.lease)
+        self._out.append(SendFrame(peer=session.peer, payload=frame))
+        self._done_goes(now, group, rank, frame)
+
+    def _held_back_ran_out(self, now: float, req: Request, rank: int) -> None:
+        session = self._sessions[(req.ticket.holder_engine, rank)]
+        group = self._group(session, req)
+        if group is None:
+            self._fail(now, req, FailReason.FENCED_NO_ACK)  # not reached: held back in a group
+            return
+        self._settle(now, group, session, rank, force=True)
+
+    def _group_verdict(
+        self, now: float, session: Session, group: Fanout, verdict: wire.DoneVerdict
+    ) -> None:
+        """The lease's done was answered: the verdict is every sibling's whose read it covers
+        (the done left once their reads had landed); one held back still waits."""
+        acted = False
+        for rid in list(group.members):
+            sib = self._requests.get(rid)
+            part = None if sib is None else sib.parts.get(session.rank)
+            if sib is None or part is None or not part.done_frame:
+                continue
+            action = done_ack_action(part.state, verdict)
+            if action is DoneAckAction.REMEMBER_HELD:
+                part.state = read_next(part.state, _ON_ACK_HELD)
+                part.early_held = True
+            elif action is DoneAckAction.CONFIRM:
+                self._held(sib, part)
+            elif action is DoneAckAction.FENCE:
+                self.stats.fenced += 1
+                late = verdict is wire.DoneVerdict.LATE
+                self._fail(now, sib, FailReason.FENCED_LATE if late else FailReason.REFUSED)
+            else:
+                continue
+            acted = True
+        if not acted:
+            self.stats.unexpected_frames += 1
+
+    def _release_lease(self, now: float, session: Session, lease: int) -> None:
+        """Stop heartbeating a group's lease (whichever of its readers the set names)."""
+        owner = session.beats.leases.owner(lease)
+        if owner is not None:
+            self._release(now, session, lease, owner)
+
+    def _leave(self, req: Request) -> None:
+        """``req`` left: out of its lease's group; the set and index name a sibling now."""
+        engine, lease, rid = req.ticket.holder_engine, req.ticket.lease, req.request_id
+        fanout = self._fanout.get(engine)
+        group = None if not fanout else fanout.get(lease)
+        if group is None or rid not in group.members:
+            return
+        group.members.remove(rid)
+        index = self._by_lease[engine]
+        if not group.members:
+            del fanout[lease]  # type: ignore[union-attr]
+            return
+        heir = group.members[0]
+        if index.get(lease) == rid:
+            index[lease] = heir
+        for rank in req.parts:
+            beats = self._sessions[(engine, rank)].beats
+            if beats.leases.owner(lease) == rid:
+                beats.leases.add(lease, heir)  # the same id: count and digest stay
+
     # ------------------------------------------------------------ helpers
 
     def _known_session(self, engine: str, rank: int) -> Session:
@@ -535,6 +764,16 @@ class Reader:
     def _attach(self, session: Session, req: Request) -> None:
         """The session heartbeats ``req``'s lease from now on (claim in the next beat)."""
         lease = req.ticket.lease
+        first = session.by_lease.get(lease)
+        if first is not None and first != req.request_id and lease in session.beats.leases:
+            group = session.fanout.get(lease)
+            if group is not None and req.request_id in group.members:
+                head = self._requests.get(first)
+                if head is not None:
+                    self._copy_claim(head.parts[session.rank], req.parts[session.rank])
+                return  # joined on another of the engine's sessions already
+            if self._join(-math.inf, req, first, (session,), parked=True):
+                return
         session.by_lease[lease] = req.request_id
         session.beats.hold(lease, req.request_id, req.proof)
 
@@ -558,7 +797,16 @@ class Reader:
         if req.request_id in session.parked:
             session.parked.remove(req.request_id)  # never claimed: nothing to abort
             return
-        self._release(now, session, lease, req.request_id)
+        group = self._group(session, req) if self._fanout else None
+        if group is not None:
+            if self._others_need(group, req, rank, _NEEDS_LEASE):
+                # A sibling still reads, or awaits the verdict of the lease's done (an
+                # abort overtaking that done would fence it): only the last reader aborts.
+                self._settle(now, group, session, rank)
+                return
+            self._release_lease(now, session, lease)
+        else:
+            self._release(now, session, lease, req.request_id)
         if session.state is _OPEN:
             session.beats.pending_aborts[lease] = req.proof
             self._holders.beat(now, session)  # free the holder's memory now, not at the next tick
@@ -585,7 +833,13 @@ class Reader:
                 session = self._sessions[(req.ticket.holder_engine, rank)]
                 if req.request_id in session.parked:
                     session.parked.remove(req.request_id)
-                self._release(now, session, req.ticket.lease, req.request_id)
+                group = self._group(session, req) if self._fanout else None
+                if group is None:
+                    self._release(now, session, req.ticket.lease, req.request_id)
+                elif not self._others_need(group, req, rank, _NEEDS_LEASE):
+                    self._release_lease(now, session, req.ticket.lease)
+                else:
+                    self._settle(now, group, session, rank)
         self._out.append(RequestFailed(request_id=req.request_id, reason=reason))
 
     def _held(self, req: Request, part: Part) -> None:
@@ -599,6 +853,10 @@ class Reader:
         req, part = self._find(session, lease)
         if req is None or part is None:
             return
+        group = session.fanout.get(lease) if session.fanout else None
+        if group is not None and req.request_id in group.members:
+            for sibling in self._siblings(group, req.request_id):
+                self._fail(now, sibling, reason)
         self._fail(now, req, reason)
 
     def _find(self, session: Session, lease: int) -> tuple[Request | None, Part | None]:
@@ -632,4 +890,6 @@ class Reader:
         lease = req.ticket.lease
         # Lease ids repeat across holder incarnations: the entry may be a newer request's.
         if index is not None and index.get(lease) == req.request_id:
-            del index[lease]
+            group = self._group_of(req) if self._fanout else None
+            if group is None or len(group.members) <= 1:
+                del index[lease]  # else _leave names a sibling in it

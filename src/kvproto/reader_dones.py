@@ -81,6 +81,15 @@ class AwaitedDones:
         part.next_resend = now + self._step
         self.keys.add((req.request_id, part.rank))
 
+    def hold_back(self, now: float, req: Request, part: Part) -> None:
+        """``part``'s read landed, but its done waits for a sibling's read of the same lease
+        (:class:`~kvproto.reader_session.Fanout`) that has not begun: at most ``ack_timeout``,
+        after which the done goes without that sibling (a sibling that has not begun by
+        then may not be able to: its blocks wait for this request's)."""
+        part.ack_deadline = now + self._timeout
+        part.next_resend = math.inf
+        self.keys.add((req.request_id, part.rank))
+
     def forget(self, request_id: str, rank: int) -> None:
         """The part has its verdict, failed or finished: nothing to await any more."""
         self.keys.discard((request_id, rank))
@@ -103,15 +112,23 @@ class AwaitedDones:
         return best
 
     def serve(
-        self, now: float, fence: Callable[[Request], None], send: Callable[[SendFrame], None]
+        self,
+        now: float,
+        fence: Callable[[Request], None],
+        send: Callable[[SendFrame], None],
+        release: Callable[[Request, int], None],
     ) -> int:
-        """``fence`` the reads whose verdict is late, ``send`` the due re-sends; how many."""
+        """``fence`` the reads whose verdict is late, ``send`` the due re-sends, ``release``
+        the dones held back for a sibling that did not begin in time; how many re-sends."""
         resent = 0
         for rid, rank in list(self.keys):
             req = self._requests[rid]
             part = req.parts[rank]
             if part.ack_deadline <= now:
-                fence(req)
+                if part.done_frame:
+                    fence(req)
+                else:
+                    release(req, rank)
             elif part.next_resend <= now:
                 session = self._sessions[(req.ticket.holder_engine, rank)]
                 resent += 1

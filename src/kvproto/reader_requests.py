@@ -86,6 +86,19 @@ class Request(msgspec.Struct, gc=False):
 # ------------------------------------------------------------ bounds
 
 
+def heartbeated(session: Session, req: Request) -> bool:
+    """Whether ``session`` heartbeats ``req``'s lease for it (lease ids repeat across holder
+    incarnations: the entry must be this request's, or its lease's group's)."""
+    lease = req.ticket.lease
+    rid = req.request_id
+    if session.beats.leases.owner(lease) == rid:
+        return True
+    if not session.fanout:
+        return False
+    group = session.fanout.get(lease)
+    return group is not None and rid in group.members and lease in session.beats.leases
+
+
 def in_sync_bound(req: Request, part: Part, session: Session, now: float, drift: float) -> float:
     """What the session's in-sync heartbeats prove about ``part``'s deadline."""
     beats = session.beats
@@ -106,7 +119,7 @@ def deadline_bound(req: Request, part: Part, session: Session, now: float, drift
     if session.incarnation is not None and req.ticket.holder_incarnation != session.incarnation:
         return -math.inf  # a ticket of another holder process: nothing is known
     bound = max(part.lower_bound, bounds.ticket_bound(session.skew, req.ticket, now))
-    if session.beats.leases.owner(req.ticket.lease) == req.request_id:
+    if heartbeated(session, req):
         bound = max(bound, in_sync_bound(req, part, session, now, drift))
     return bound
 
@@ -125,7 +138,7 @@ def renewable(req: Request, session: Session, now: float, margin: float, drift: 
         session.state is _OPEN
         and params is not None
         and session.incarnation == req.ticket.holder_incarnation
-        and session.beats.leases.owner(req.ticket.lease) == req.request_id
+        and heartbeated(session, req)
         and margin < params.extension * (1 - drift)
         and now + margin < bounds.hard_bound(session.skew, req.ticket, params, now)
         and not bounds.lapsed(

@@ -84,6 +84,28 @@ class ReaderSide:
     """The reader's configuration (secret, drift, intervals)."""
 
 
+@dataclass(slots=True, eq=False)
+class Fanout:
+    """The requests of this reader rank that read one lease (one ticket, several requests).
+
+    vLLM's parallel sampling gives every child of a request the parent's ticket, and
+    any fan-out may do the same. The lease is claimed, heartbeated and aborted once for
+    all of them (the session's lease set names one of them, :attr:`members` ``[0]``),
+    and its done goes to each holder rank once, when no member still reads from it: the
+    holder counts one done per reader rank, and answers a repeated one as it answered
+    the first, so a done sent while a sibling still reads would free blocks that
+    sibling's read is taking while vouching for it. Made only when a second request
+    joins: a lease read by one request has none.
+    """
+
+    members: list[str]
+    """The request ids reading the lease, in track order (the first is the one the
+    session's lease set and ``by_lease`` name)."""
+    done_sent: set[int] = field(default_factory=set)
+    """Holder ranks the lease's done went to: a request that begins its read later is
+    not covered by that done's verdict, and is declined."""
+
+
 class WelcomeProblem(enum.Enum):
     """Why a Welcome was not taken."""
 
@@ -143,6 +165,9 @@ class Session:
     """Lease id → the request whose lease it is, for every session of this holder engine:
     one dict they share (:class:`~kvproto.reader_sessions.HolderSessions` hands it over),
     so a frame naming a lease finds its request with no (engine, lease) key to build."""
+    fanout: dict[int, Fanout] = field(default_factory=dict)
+    """Lease id → the requests reading it, for a lease several requests read (shared by
+    the engine's sessions like :attr:`by_lease`; empty while every lease has one)."""
 
     def __post_init__(self) -> None:
         self.skew = SkewEstimator(max_drift_ppm=self.side.config.max_drift_ppm)
@@ -170,7 +195,24 @@ class Session:
         self.state = session_next(self.state, SessionInput.LOST)
         self.beats.reset()
         self.up = self.down = self.prev_down = b""
-        return list({*self.beats.leases.owners(), *self.parked})
+        return list({*self.readers(), *self.parked})
+
+    def readers(self) -> list[str]:
+        """Every request whose lease the session heartbeats (all of a lease's readers)."""
+        owners = list(self.beats.leases.owners())
+        fanout = self.fanout
+        if not fanout:
+            return owners
+        out: list[str] = []
+        for lease in self.beats.leases:
+            group = fanout.get(lease)
+            if group is None:
+                owner = self.beats.leases.owner(lease)
+                if owner is not None:
+                    out.append(owner)
+            else:
+                out.extend(group.members)
+        return out
 
     # ------------------------------------------------------------ handshake
 
@@ -353,7 +395,7 @@ class Session:
         config = self.side.config
         drift = config.drift
         lapsed = []
-        for rid in {*self.beats.leases.owners(), *self.parked}:
+        for rid in {*self.readers(), *self.parked}:
             req = requests.get(rid)
             if req is None or req.failed:
                 continue

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Mapping
 from kvproto import wire
 from kvproto.events import Connect, FailReason, ReaderOutput, SendFrame
 from kvproto.reader_requests import Request, SessionKey
-from kvproto.reader_session import ReaderSide, Session, WelcomeProblem
+from kvproto.reader_session import Fanout, ReaderSide, Session, WelcomeProblem
 from kvproto.reader_timers import SessionTimers
 from kvproto.states import SessionState
 from kvproto.stats import ReaderStats
@@ -77,6 +77,8 @@ class HolderSessions:
         self.by_lease: dict[str, dict[int, str]] = {}
         """Holder engine → its sessions' shared :attr:`Session.by_lease` (the reader's
         index of requests by lease id; it keeps it, this only makes one per engine)."""
+        self.fanout: dict[str, dict[int, Fanout]] = {}
+        """Holder engine → its sessions' shared :attr:`Session.fanout`."""
         self.routes: dict[tuple[str, int], tuple[Session, ...]] = {}
         """(holder engine, holder TP size) → the sessions a ticket of it is tracked on, in
         holder rank order (empty: the TP sizes do not divide); filled by :meth:`route`,
@@ -102,7 +104,12 @@ class HolderSessions:
         if session is None:
             by_lease = self.by_lease.setdefault(engine, {})
             session = Session(
-                self._side, engine=engine, rank=rank, serial=len(self.table), by_lease=by_lease
+                self._side,
+                engine=engine,
+                rank=rank,
+                serial=len(self.table),
+                by_lease=by_lease,
+                fanout=self.fanout.setdefault(engine, {}),
             )
             self.table[(engine, rank)] = session
         return session
@@ -215,7 +222,11 @@ class HolderSessions:
             req = self._requests.get(rid)
             reason = None if req is None else session.welcomed_verdict(now, req.ticket)
             if req is not None and reason is not None:
-                self._fail(now, req, reason)
+                group = session.fanout.get(lease) if session.fanout else None
+                for member in [rid] if group is None else list(group.members):
+                    sibling = self._requests.get(member)
+                    if sibling is not None:
+                        self._fail(now, sibling, reason)
             else:
                 beats.pending_claims.setdefault(lease, self.proof_of(rid))
         parked, session.parked = session.parked, []

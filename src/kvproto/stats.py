@@ -145,6 +145,12 @@ class ReaderStats:
     """``finish`` of a request not tracked (finished twice, or never tracked; ignored)."""
     stale_connects: int = 0
     """``connected`` for a session that broke while connecting (ignored)."""
+    fanout_joins: int = 0
+    """Requests tracked on a ticket another tracked request reads (parallel sampling's
+    children): they share its lease's claim, heartbeats and done."""
+    fanout_late_reads: int = 0
+    """Of those, reads declined because the lease's done had gone without them (they had
+    not begun within ``ack_timeout`` of their siblings' reads): recomputed."""
 
     def snapshot(self) -> dict[str, int]:
         """Counter name → value."""

@@ -187,6 +187,11 @@ class Endpoint:
             tail = blocks_to_read(local_blocks, remote_blocks)
             local = list(local_blocks)
             for order in decision.orders:
+                if not order.notify and not (order.carries_data and tail):
+                    # Nothing to move and no done to carry (a sibling's read carries the
+                    # lease's done): landed as soon as issued.
+                    reader.read_completed(now, request_id, order.holder_rank)
+                    continue
                 try:
                     # A done-only order (replicated KV read from another rank) is the
                     # transport's notify-only read: no block, the notification alone.
@@ -196,7 +201,7 @@ class Endpoint:
                         remote_blocks=tail if order.carries_data else [],
                         local_slice=order.local_slice,
                         remote_slice=order.remote_slice,
-                        notify=order.notify,
+                        notify=order.notify or None,
                     )
                 except TransportError as exc:
                     # Unreachable peer, layout mismatch, ...: that part cannot be read, so the

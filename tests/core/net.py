@@ -226,7 +226,7 @@ class Net:
 
             def finish_transfer(order=order) -> None:  # type: ignore[no-untyped-def]
                 holder_node = self.nodes[order.peer]
-                if not lose_done and not holder_node.crashed:
+                if order.notify and not lose_done and not holder_node.crashed:
                     self._arrive(reader, order.peer, order.notify, self.now)
                 node = self.nodes[reader]
                 if node.crashed:
