@@ -326,6 +326,7 @@ class KvprotoConnector(KVConnectorBase_V1, SupportsHMA):
                 out["incarnation"] = producer.incarnation
                 out["granted"] = producer.granted
                 out["granted_turn2"] = producer.granted_turn2
+                out["shared_children"] = producer.shared_children
             if consumer is not None:
                 out["tracked"] = consumer.tracked_count()
                 out["untracked"] = consumer.untracked

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +43,16 @@ log = logging.getLogger("vllm.kvproto_connector.producer")
 
 TRUNCATED_KEY = "_p_side_truncated"
 """Stock's kv_transfer_params flag: this prefill was cut short by the backoff already."""
+
+SIBLINGS_KEPT = 1024
+"""Parents of parallel-sampling children whose ticket is remembered for their siblings."""
+
+
+def sampling_parent(request_id: str) -> str | None:
+    """The parent id of a parallel-sampling child (vLLM names the children of a request
+    with ``n > 1`` ``f"{index}_{parent_request_id}"``, parallel_sampling.py), else None."""
+    index, sep, parent = request_id.partition("_")
+    return parent if sep and parent and index.isdigit() else None
 
 
 class Producer:
@@ -83,6 +94,11 @@ class Producer:
         """Leases granted since start (scheduler-side stat)."""
         self.granted_turn2 = 0
         """Of those, turn-2 leases on decoded blocks (bidirectional)."""
+        self.shared_children = 0
+        """Parallel-sampling children answered with a sibling's lease (their blocks freed
+        at once)."""
+        self._siblings: OrderedDict[str, tuple[list[int], dict[str, Any]]] = OrderedDict()
+        """Parent id → (prompt, kv_transfer_params) of its first child granted a lease."""
 
     def on_new_request(self, request: Request) -> None:
         """Stop a prefill ``groups.backoff`` prompt tokens short (SSM state: the decoder
@@ -130,6 +146,18 @@ class Producer:
         groups = self.groups.clip(block_ids)
         if not any(groups):
             return False, None
+        parent = None if turn2 else sampling_parent(request.request_id)
+        prompt = request.prompt_token_ids
+        if parent is not None and prompt is not None:
+            shared = self._siblings.get(parent)
+            if shared is not None and shared[0] == prompt:
+                # Children of one request (n > 1) carry the same prompt, and vLLM hands
+                # the decoder one child's kv_transfer_params only (the last to finish):
+                # every child names the first one's lease, so the decoder's children all
+                # read that one copy, and this child's blocks go back now instead of
+                # waiting under a lease nobody claims.
+                self.shared_children += 1
+                return False, dict(shared[1])
         ttl = self.lease.decoder_kv_blocks_ttl if turn2 else self.lease.kv_lease_duration
         ticket = self._mint.mint(time.monotonic(), request_id=request.request_id, ttl=ttl)
         self._grants.append(Grant(request_id=request.request_id, ticket=ticket))
@@ -157,6 +185,10 @@ class Producer:
             "transfer_mode": "pull",
             PARAMS_KEY: ticket.to_params(),
         }
+        if parent is not None and prompt is not None:
+            self._siblings[parent] = (list(prompt), dict(params))
+            if len(self._siblings) > SIBLINGS_KEPT:
+                self._siblings.popitem(last=False)
         return True, params
 
     def take_grants(self) -> list[Grant]:

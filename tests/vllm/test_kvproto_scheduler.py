@@ -197,6 +197,39 @@ def test_producer_grants_and_delays_free(prefill_params: dict[str, Any]) -> None
     assert LeaseTicket.from_params(prefill_params[PARAMS_KEY]).lease == 1
 
 
+def test_parallel_sampling_children_share_one_lease(tiny_model_dir: Path) -> None:
+    """vLLM names the children of an n > 1 request "<index>_<parent>" and hands the decoder
+    the last child's kv_transfer_params: every child names one lease, and the others'
+    blocks go back at once instead of waiting under leases nobody claims."""
+    sched = make_scheduler(tiny_model_dir, "kv_producer")
+    conn = sched.connector
+    free0 = free_blocks(sched)
+    parent = "cmpl-x-0-1a2b3c4d"
+    for index in range(3):
+        sched.add_request(
+            request(f"{index}_{parent}", max_tokens=1, params={"do_remote_decode": True})
+        )
+    sched.add_request(request("0_other", max_tokens=1, params={"do_remote_decode": True}))
+    _, _, outs = step(sched)
+    tickets = {
+        rid: LeaseTicket.from_params(o.kv_transfer_params[PARAMS_KEY]) for rid, o in outs.items()
+    }
+    children = [tickets[f"{index}_{parent}"] for index in range(3)]
+    assert children[0] == children[1] == children[2]
+    assert tickets["0_other"].lease != children[0].lease  # another parent: its own lease
+    block_ids = {
+        tuple(outs[f"{i}_{parent}"].kv_transfer_params["remote_block_ids"][0]) for i in range(3)
+    }
+    assert len(block_ids) == 1  # the granted child's blocks, named by every child
+    meta, _, _ = step(sched)
+    assert sorted(g.request_id for g in meta.grants) == sorted([f"0_{parent}", "0_other"])
+    assert f"0_{parent}" in sched.requests and f"1_{parent}" not in sched.requests
+    assert f"2_{parent}" not in sched.requests
+    assert free_blocks(sched) == free0 - 2 * 4  # two leases' blocks held, not four
+    state = conn.debug_state()
+    assert state["granted"] == 2 and state["shared_children"] == 2
+
+
 def test_consumer_tracks_from_enqueue(tiny_model_dir: Path, prefill_params: dict[str, Any]) -> None:
     from vllm.v1.request import RequestStatus
 
