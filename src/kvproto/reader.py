@@ -149,6 +149,8 @@ class Reader:
         self._by_lease = holders.by_lease
         self._fanout = holders.fanout
         """Holder engine → lease id → its readers, for leases several requests read."""
+        self._groups = 0
+        """How many such leases there are: while none, no path looks for one."""
         """Holder engine → lease id → request id (each engine's sessions share its dict)."""
         self._prove = claim_prover(engine)
         """The claim proof of a ticket, with this reader's engine in it prepared once."""
@@ -266,7 +268,7 @@ class Reader:
             if part.state is _FINISHED:  # not read, or not confirmed
                 self._dones.forget(request_id, part.rank)
                 self._abort_at(now, req, part.rank)
-        if self._fanout:
+        if self._groups:
             self._leave(req)
 
     def is_tracked(self, request_id: str) -> bool:
@@ -315,7 +317,7 @@ class Reader:
                 return self._deferrals.defer(now, req, close, self._holders.beat)
             self._decline(now, req)
             return ReadDeclined(reason=FailReason.DEADLINE_TOO_CLOSE)
-        group = self._group_of(req) if self._fanout else None
+        group = self._group_of(req) if self._groups else None
         if group is not None and group.done_sent:
             # A sibling's done went without this request (it had not begun in time): that
             # done's verdict does not cover this read, and the holder may have freed.
@@ -373,7 +375,7 @@ class Reader:
         if part.state is not _AWAITING_ACK:  # failed meanwhile: nothing to await
             return
         session = self._sessions[(req.ticket.holder_engine, holder_rank)]
-        group = self._group(session, req) if self._fanout else None
+        group = self._group(session, req) if self._groups else None
         if group is None:
             self._release(now, session, req.ticket.lease, request_id)
         elif not part.done_frame:
@@ -537,7 +539,7 @@ class Reader:
             part.lower_bound = max(part.lower_bound, acked)
             part.claimed_seq = min(part.claimed_seq, ack.seq)
             part.state = read_next(part.state, _ON_CLAIM_ACKED)
-            group = session.fanout.get(lease) if session.fanout else None
+            group = session.fanout.get(lease) if self._groups else None
             if group is not None:
                 for sibling in self._siblings(group, req.request_id):
                     self._copy_claim(part, sibling.parts[session.rank])
@@ -556,7 +558,7 @@ class Reader:
         if verdict is None:
             self.stats.bad_mac += 1
             return
-        group = session.fanout.get(msg.lease) if session.fanout else None
+        group = session.fanout.get(msg.lease) if self._groups else None
         if group is not None and req.request_id in group.members:
             self._group_verdict(now, session, group, verdict)
             return
@@ -596,6 +598,7 @@ class Reader:
         group = fanout.get(lease)
         if group is None:
             group = fanout[lease] = Fanout([first_id])
+            self._groups += 1
         rid = req.request_id
         if rid not in group.members:
             group.members.append(rid)
@@ -699,6 +702,12 @@ class Reader:
             self._fail(now, req, FailReason.FENCED_NO_ACK)  # not reached: held back in a group
             return
         self._settle(now, group, session, rank, force=True)
+        part = req.parts[rank]
+        if not part.done_frame and part.ack_deadline <= now:
+            # A sibling's read is under way: its landing settles the group (and holds the
+            # done back again if one has still not begun).
+            part.ack_deadline = math.inf
+            self._dones.forget(req.request_id, rank)
 
     def _group_verdict(
         self, now: float, session: Session, group: Fanout, verdict: wire.DoneVerdict
@@ -744,6 +753,7 @@ class Reader:
         index = self._by_lease[engine]
         if not group.members:
             del fanout[lease]  # type: ignore[union-attr]
+            self._groups -= 1
             return
         heir = group.members[0]
         if index.get(lease) == rid:
@@ -797,7 +807,7 @@ class Reader:
         if req.request_id in session.parked:
             session.parked.remove(req.request_id)  # never claimed: nothing to abort
             return
-        group = self._group(session, req) if self._fanout else None
+        group = self._group(session, req) if self._groups else None
         if group is not None:
             if self._others_need(group, req, rank, _NEEDS_LEASE):
                 # A sibling still reads, or awaits the verdict of the lease's done (an
@@ -833,7 +843,7 @@ class Reader:
                 session = self._sessions[(req.ticket.holder_engine, rank)]
                 if req.request_id in session.parked:
                     session.parked.remove(req.request_id)
-                group = self._group(session, req) if self._fanout else None
+                group = self._group(session, req) if self._groups else None
                 if group is None:
                     self._release(now, session, req.ticket.lease, req.request_id)
                 elif not self._others_need(group, req, rank, _NEEDS_LEASE):
@@ -853,7 +863,7 @@ class Reader:
         req, part = self._find(session, lease)
         if req is None or part is None:
             return
-        group = session.fanout.get(lease) if session.fanout else None
+        group = session.fanout.get(lease) if self._groups else None
         if group is not None and req.request_id in group.members:
             for sibling in self._siblings(group, req.request_id):
                 self._fail(now, sibling, reason)
@@ -890,6 +900,6 @@ class Reader:
         lease = req.ticket.lease
         # Lease ids repeat across holder incarnations: the entry may be a newer request's.
         if index is not None and index.get(lease) == req.request_id:
-            group = self._group_of(req) if self._fanout else None
+            group = self._group_of(req) if self._groups else None
             if group is None or len(group.members) <= 1:
                 del index[lease]  # else _leave names a sibling in it
