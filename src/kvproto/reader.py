@@ -562,6 +562,14 @@ class Reader:
         if group is not None and req.request_id in group.members:
             self._group_verdict(now, session, group, verdict)
             return
+        if not self._apply_verdict(now, req, part, verdict):
+            self.stats.unexpected_frames += 1
+
+    def _apply_verdict(
+        self, now: float, req: Request, part: Part, verdict: wire.DoneVerdict
+    ) -> bool:
+        """What the DoneAck table says one part does with ``verdict``; False when the
+        table gives it nothing to do (the caller counts or skips that)."""
         action = done_ack_action(part.state, verdict)
         if action is DoneAckAction.REMEMBER_HELD:
             part.state = read_next(part.state, _ON_ACK_HELD)
@@ -573,7 +581,8 @@ class Reader:
             late = verdict is wire.DoneVerdict.LATE
             self._fail(now, req, FailReason.FENCED_LATE if late else FailReason.REFUSED)
         else:
-            self.stats.unexpected_frames += 1
+            return False
+        return True
 
     # ------------------------------------------------------------ fan-out
 
@@ -720,19 +729,8 @@ class Reader:
             part = None if sib is None else sib.parts.get(session.rank)
             if sib is None or part is None or not part.done_frame:
                 continue
-            action = done_ack_action(part.state, verdict)
-            if action is DoneAckAction.REMEMBER_HELD:
-                part.state = read_next(part.state, _ON_ACK_HELD)
-                part.early_held = True
-            elif action is DoneAckAction.CONFIRM:
-                self._held(sib, part)
-            elif action is DoneAckAction.FENCE:
-                self.stats.fenced += 1
-                late = verdict is wire.DoneVerdict.LATE
-                self._fail(now, sib, FailReason.FENCED_LATE if late else FailReason.REFUSED)
-            else:
-                continue
-            acted = True
+            if self._apply_verdict(now, sib, part, verdict):
+                acted = True
         if not acted:
             self.stats.unexpected_frames += 1
 
