@@ -141,6 +141,12 @@ class TransferGroups:
         return prompt_tokens - backoff if backoff and prompt_tokens > backoff else prompt_tokens
 
 
+def block_outermost(tensor: Any) -> bool:
+    """Whether a ``KVCacheTensor`` packs every layer's page of a block side by side
+    (layer-outermost placement has ``layer_stride = page * num_blocks >= block_stride``)."""
+    return int(tensor.block_stride) > int(tensor.layer_stride)
+
+
 def single_full_group(block_size: int = 0) -> TransferGroups:
     """One full-attention group: what an engine without a hybrid allocator has."""
     return TransferGroups(
@@ -234,7 +240,7 @@ def transfer_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
     if len(sizes) > 1:
         raise UnsupportedShape(_refusal(f"groups with different block sizes {sorted(sizes)}"))
     packed = any(
-        int(t.block_stride) > int(t.layer_stride)
+        block_outermost(t)
         for t in getattr(kv_cache_config, "kv_cache_tensors", ())
         if hasattr(t, "block_stride")
     )

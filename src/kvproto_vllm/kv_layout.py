@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from kvproto.tpmath import BlockLayout
 from kvproto_transports.tensor_layout import layout_from_tensors, memory_kind_of
 
-from .groups import UnsupportedShape
+from .groups import UnsupportedShape, block_outermost
 
 if TYPE_CHECKING:
     import torch
@@ -108,9 +108,8 @@ def _from_placement(tensors_of: Sequence[Any], backing: torch.Tensor, config: An
     packed = False
     for t in tensors_of:
         stride, step, offset = int(t.block_stride), int(t.layer_stride), int(t.offset)
-        if stride > step:
-            # Block-outermost: block b is [b * stride, (b + 1) * stride) of every layer's
-            # page (layer-outermost has layer_stride = page * num_blocks >= block_stride).
+        if block_outermost(t):
+            # Block b is [b * stride, (b + 1) * stride) of every layer's page.
             packed = True
             if offset + len(t.layers) * step > stride:
                 raise UnsupportedShape(f"layers of {t.layers[0]} overflow their packed block")
