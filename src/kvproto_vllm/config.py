@@ -30,6 +30,9 @@ _DEFAULT_DURATION = LeaseConfig().kv_lease_duration
 KV_TRANSPORTS = ("nixl", "ucx")
 """Values of ``kv_transport``; the first is the default (stock NixlConnector's transport)."""
 
+DEFAULT_PROBE_INTERVAL_S = 0.25
+"""Seconds between the worker's transport probes (``probe_interval_s``)."""
+
 DEFAULT_READ_MARGIN = 5.0
 """vLLM's turn-2 read margin; capped at half the lease extension for short leases."""
 
@@ -45,11 +48,11 @@ class AdapterConfig:
     engines of a pair must use the same one (it is part of the handshake compat hash)."""
     backends: tuple[str, ...] = ("UCX",)
     """NIXL backends (stock key ``backends``); unused with ``kv_transport: "ucx"``."""
-    probe_interval_s: float | None = 0.25
+    probe_interval_s: float | None = DEFAULT_PROBE_INTERVAL_S
     """How often the worker probes its transport peers so a dead peer surfaces as PeerLost
     (a holder then frees at once instead of at lease expiry); None disables probing.
-    A probe is one 20-byte notification per peer; at 1 s a killed decoder's leases
-    were freed 1.3 s after the kill under load (vllm serve), at 0.25 s within 1 s."""
+    A probe is one 20-byte notification per peer, sent from a pump: the loss is seen at
+    most this + the transport's slack + one engine step after the kill."""
     handshake_timeout_s: float = 5.0
     """Side-channel round-trip timeout (stock: 5 s)."""
     handshake_attempts: int = 3
@@ -101,7 +104,9 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> AdapterConfig:
         lease=lease,
         kv_transport=_kv_transport(own.get("kv_transport", KV_TRANSPORTS[0]), lease),
         backends=_backends(own.get("backends", ("UCX",))),
-        probe_interval_s=_optional_positive("probe_interval_s", own.get("probe_interval_s", 0.25)),
+        probe_interval_s=_optional_positive(
+            "probe_interval_s", own.get("probe_interval_s", DEFAULT_PROBE_INTERVAL_S)
+        ),
         handshake_timeout_s=_positive("handshake_timeout_s", own.get("handshake_timeout_s", 5.0)),
         handshake_attempts=int(_positive("handshake_attempts", own.get("handshake_attempts", 3))),
         kv_recompute_threshold=int(

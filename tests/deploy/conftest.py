@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from examples.pd_cpu.client import metrics
 from examples.pd_cpu.cluster import ModelSpec, baseline_spec, plain_engine
 
 from .baseline import Baseline
@@ -93,6 +94,32 @@ def baseline(
     engine = baseline_spec()
     with plain_engine(deploy_model, workdir, engine) as proc:
         yield Baseline(url=engine.url, model=str(deploy_model.path), proc=proc)
+
+
+SCRAPE_S = 0.1
+"""One metrics scrape of an engine plus wait_for's poll."""
+
+
+def wait_lost_freed(p_url: str, timeout_s: float = 5.0) -> tuple[float, float]:
+    """(seconds until P's held-lease gauge reads 0, the bound it had to meet).
+
+    After a decoder's kill -9 the bound is what the parts promise: the worker probes
+    its peers every ``probe_interval_s``, NIXL reports the send's failure within its
+    slack, and P sees it only inside a pump, once or twice per engine step, so the
+    longest gap between P's pumps meanwhile (its own gauge; a prefill batch's step
+    lasts up to a second on these 2 cores) adds to it, and one scrape."""
+    from kvproto_transports.nixl.transport import PROBE_DETECTION_SLACK_S
+    from kvproto_vllm.config import DEFAULT_PROBE_INTERVAL_S
+
+    gaps = [0.0]
+
+    def freed() -> bool:
+        m = metrics(p_url)
+        gaps.append(m.get("vllm:kvproto_worker_pump_gap_ms_max", 0.0) / 1000.0)
+        return m.get("vllm:kvproto_holder_leases_held", 0.0) == 0
+
+    took = wait_for(freed, timeout_s)
+    return took, DEFAULT_PROBE_INTERVAL_S + PROBE_DETECTION_SLACK_S + max(gaps) + SCRAPE_S
 
 
 def wait_for(check: Callable[[], bool], timeout_s: float, poll_s: float = 0.05) -> float:

@@ -76,6 +76,10 @@ Other receivers (the lease core) ignore it as an unknown frame. Do not probe a
 stock vLLM peer: its parser raises on anything without a ``:``.
 """
 
+PROBE_DETECTION_SLACK_S = 0.5
+"""What the declared failure-detection bound adds to the auto-probe period: a send to a
+kill -9'd process fails within a few ms here, the rest is room for a loaded caller."""
+
 DEFAULT_MAX_NOTIFICATION_SIZE = 1 << 20
 """1 MiB. UCX itself carried 16 MiB notifications here; the cap keeps one
 notification from monopolising the progress thread and matches no backend
@@ -198,7 +202,9 @@ class NixlTransport:
             # Measured: a send to a kill -9'd process fails within a few ms; the
             # bound holds only when something is sent (auto-probe or binding).
             failure_detection_bound_s=(
-                None if auto_probe_interval_s is None else auto_probe_interval_s + 0.5
+                None
+                if auto_probe_interval_s is None
+                else auto_probe_interval_s + PROBE_DETECTION_SLACK_S
             ),
             one_sided_reads=True,
             thread_affinity=ThreadAffinity.OWNER,
