@@ -95,6 +95,8 @@ class ModelSpec:
     """``VLLM_CPU_KVCACHE_SPACE`` per engine."""
     prefix_caching: bool = True
     """vLLM's prefix cache (its default); off for models whose cache vLLM cannot run here."""
+    attention_backend: str | None = None
+    """``--attention-backend`` (None: vLLM's choice for the machine)."""
 
 
 def kv_transfer_config(
@@ -147,6 +149,8 @@ def serve_argv(model: ModelSpec, engine: EngineSpec, kv_config: dict[str, Any] |
     ]
     if not model.prefix_caching:
         argv.append("--no-enable-prefix-caching")
+    if model.attention_backend is not None:
+        argv += ["--attention-backend", model.attention_backend]
     if kv_config is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_config, separators=(",", ":"))]
     return argv
@@ -198,6 +202,10 @@ def engine_env(
 ) -> dict[str, str]:
     """The environment one engine runs with (what the README's commands set)."""
     env = dict(os.environ if base is None else base)
+    # vLLM's CPU platform records its SSM conv-state layout choice in os.environ of any
+    # process that builds an engine config; inherited, it would make that choice for an
+    # engine of another connector (stock's Mamba transfer needs its own "DS").
+    env.pop("VLLM_SSM_CONV_STATE_LAYOUT", None)
     env.update(
         {
             "HF_HUB_OFFLINE": "1",

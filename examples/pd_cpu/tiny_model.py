@@ -77,6 +77,10 @@ SHAPES = ("llama", "swa", "mla", "ssm")
 
 BLOCK_SIZE_OF = {"llama": 32, "swa": 32, "mla": 16, "ssm": 32}
 """The KV block size each shape is served with (the CPU backends' constraints)."""
+ATTENTION_BACKEND_OF = {"mla": "CPU_MLA"}
+"""The attention backend a shape is served with where vLLM's choice depends on the CPU: on
+one with AMX tiles vLLM picks AMX_MLA, which takes bf16 weights only; the reference CPU_MLA
+runs these float32 models on every x86 CPU, so each machine computes the same answers."""
 
 
 def build_tiny_model(out_dir: Path, shape: str, *, seed: int = SEED) -> Path:

@@ -93,6 +93,11 @@ class EngineSpec:
 
 
 def _set_env(spec: EngineSpec) -> None:
+    # vLLM's CPU platform writes its SSM conv-state layout choice into os.environ of the
+    # process that builds a config ("SD" for a non-NIXL connector on an AVX512-BF16 CPU),
+    # and tests that build configs in pytest's process pass it on to every engine forked
+    # after them: stock NixlConnector's Mamba check then fails. Each engine chooses anew.
+    os.environ.pop("VLLM_SSM_CONV_STATE_LAYOUT", None)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["TRANSFORMERS_OFFLINE"] = "1"

