@@ -37,12 +37,13 @@ from kvproto.events import (
     ReadDeferred,
     ReaderOutput,
     ReadGo,
+    ReadOrder,
     RequestFailed,
     SendFrame,
 )
 from kvproto.holder import Holder
 from kvproto.reader import Reader
-from kvproto.tpmath import blocks_to_read
+from kvproto.tpmath import BlockSlice, blocks_to_read
 from kvproto.transport import (
     FrameTooLarge,
     PeerId,
@@ -114,6 +115,27 @@ class BindingStats:
     """Request failures held back until the request's reads in flight ended."""
 
 
+@dataclass(slots=True)
+class _Parts:
+    """The READs that fill one holder rank's share of a request whose local blocks each
+    take several holder blocks: one READ per part, and the done only once all landed (a
+    done attached to one of them could free the holder's blocks under the others)."""
+
+    request_id: str
+    rank: int
+    peer: PeerId
+    notify: bytes
+    """The done to send when the last READ has landed (empty: a sibling carries it)."""
+    left: int = 0
+    """READs still in flight."""
+    failed: bool = False
+
+
+def part_slice(within: BlockSlice, part: int, parts: int) -> BlockSlice:
+    """Slice ``within`` (a TP share) of part ``part`` of ``parts`` equal parts of a block."""
+    return BlockSlice(index=part * within.parts + within.index, parts=parts * within.parts)
+
+
 class Endpoint:
     """Binds one transport endpoint to an engine rank's holder and/or reader."""
 
@@ -130,7 +152,7 @@ class Endpoint:
         self.holder = holder
         self.reader = reader
         self.stats = BindingStats()
-        self._reads: dict[ReadId, tuple[str, int]] = {}
+        self._reads: dict[ReadId, tuple[str, int] | _Parts] = {}
         self._held_failures: dict[str, RequestFailed] = {}
         """Failures of requests with reads in flight, surfaced when the last read ends."""
         self._cores: tuple[Holder | Reader, ...] = tuple(
@@ -171,11 +193,17 @@ class Endpoint:
         *,
         local_blocks: Sequence[int],
         remote_blocks: Sequence[int],
+        local_parts: Sequence[int] = (),
+        parts: int = 1,
     ) -> ReadGo | ReadDeferred | ReadDeclined:
         """Begin the reads of a request (one per holder rank), with the done attached.
 
         A partial prefix hit reads only the tail of ``remote_blocks``; zero
         local blocks still sends the done (the transport's notify-only read).
+        With ``parts > 1`` each local block takes ``parts`` holder blocks (the
+        decoder's blocks are larger): the lists are paired one to one, remote block
+        ``i`` filling part ``local_parts[i]`` of local block ``i``; each part is one
+        READ into that part of the local blocks, and the done follows the last.
         ``ReadDeferred``: nothing was read; the early heartbeat was sent here.
         Call again at a later step (after the holder's answer, which
         :meth:`step` applies); if it has not come by ``until`` the request
@@ -184,9 +212,17 @@ class Endpoint:
         reader = self._need_reader()
         decision = reader.begin_read(now, request_id)
         if isinstance(decision, ReadGo):
-            tail = blocks_to_read(local_blocks, remote_blocks)
+            if parts > 1:
+                split = _split_parts(local_blocks, remote_blocks, local_parts, parts)
+                tail: list[int] = list(remote_blocks)
+            else:
+                split = {}
+                tail = blocks_to_read(local_blocks, remote_blocks)
             local = list(local_blocks)
             for order in decision.orders:
+                if split and order.carries_data:
+                    self._read_parts(now, request_id, order, split, parts)
+                    continue
                 if not order.notify and not (order.carries_data and tail):
                     # Nothing to move and no done to carry (a sibling's read carries the
                     # lease's done): landed as soon as issued.
@@ -212,6 +248,54 @@ class Endpoint:
                 self._reads[read_id] = (request_id, order.holder_rank)
         self._flush(now)
         return decision
+
+    def _read_parts(
+        self,
+        now: float,
+        request_id: str,
+        order: ReadOrder,
+        split: dict[int, tuple[list[int], list[int]]],
+        parts: int,
+    ) -> None:
+        """One READ per part of the local blocks, no done attached (see :class:`_Parts`)."""
+        group = _Parts(request_id, order.holder_rank, order.peer, order.notify)
+        for part, (local, remote) in split.items():
+            try:
+                read_id = self.transport.read_blocks(
+                    order.peer,
+                    local_blocks=local,
+                    remote_blocks=remote,
+                    local_slice=part_slice(order.local_slice, part, parts),
+                    remote_slice=order.remote_slice,
+                )
+            except TransportError as exc:
+                log.warning("read of %s from %s refused: %s", request_id, order.peer, exc)
+                group.failed = True
+                break
+            group.left += 1
+            self._reads[read_id] = group
+        if not group.left:
+            self._need_reader().read_failed(now, request_id, order.holder_rank)
+
+    def _parts_landed(self, now: float, group: _Parts) -> None:
+        """The last READ of a :class:`_Parts` ended: fail it, or send its done."""
+        reader = self._need_reader()
+        if group.failed:
+            reader.read_failed(now, group.request_id, group.rank)
+            return
+        if not group.notify:
+            reader.read_completed(now, group.request_id, group.rank)
+            return
+        try:
+            # Every part is in local memory now: the done may go (notify-only read).
+            read_id = self.transport.read_blocks(
+                group.peer, local_blocks=[], remote_blocks=[], notify=group.notify
+            )
+        except TransportError as exc:
+            log.warning("done of %s to %s refused: %s", group.request_id, group.peer, exc)
+            reader.read_failed(now, group.request_id, group.rank)
+            return
+        self._reads[read_id] = (group.request_id, group.rank)
 
     def step(self, now: float) -> StepResult:
         """Poll, run timers, execute outputs. Returns what the engine must act on."""
@@ -274,13 +358,21 @@ class Endpoint:
         entry = self._reads.pop(read_id, None)
         if entry is None or self.reader is None:
             return
-        request_id, rank = entry
-        # A request finished (aborted) while its read was in flight is the reader's
-        # counted no-op (stats.late_read_results), not an error.
-        if ok:
-            self.reader.read_completed(now, request_id, rank)
+        if isinstance(entry, _Parts):
+            entry.left -= 1
+            entry.failed = entry.failed or not ok
+            if entry.left:
+                return
+            request_id = entry.request_id
+            self._parts_landed(now, entry)
         else:
-            self.reader.read_failed(now, request_id, rank)
+            request_id, rank = entry
+            # A request finished (aborted) while its read was in flight is the reader's
+            # counted no-op (stats.late_read_results), not an error.
+            if ok:
+                self.reader.read_completed(now, request_id, rank)
+            else:
+                self.reader.read_failed(now, request_id, rank)
         if request_id in self._held_failures and not self._reading(request_id):
             self._engine_outputs.append(self._held_failures.pop(request_id))
 
@@ -288,7 +380,10 @@ class Endpoint:
         """Whether a transport read into ``request_id``'s blocks is still in flight."""
         # Asked only for failed requests (rare), so a scan beats a second index kept
         # up to date on every read.
-        return any(rid == request_id for rid, _ in self._reads.values())
+        return any(
+            (e.request_id if isinstance(e, _Parts) else e[0]) == request_id
+            for e in self._reads.values()
+        )
 
     def _flush(self, now: float) -> None:
         """Carry out every output until the cores are quiet.
@@ -337,3 +432,25 @@ class Endpoint:
         if self.reader is None:
             raise LocalProtocolError("this endpoint hosts no reader")
         return self.reader
+
+
+def _split_parts(
+    local_blocks: Sequence[int],
+    remote_blocks: Sequence[int],
+    local_parts: Sequence[int],
+    parts: int,
+) -> dict[int, tuple[list[int], list[int]]]:
+    """part -> (local blocks, remote blocks) of its READ, from one-to-one pair lists."""
+    if not len(local_blocks) == len(remote_blocks) == len(local_parts):
+        raise LocalProtocolError(
+            f"{len(local_blocks)} local blocks, {len(remote_blocks)} remote blocks and "
+            f"{len(local_parts)} parts: the pairs of a read in parts are one to one"
+        )
+    split: dict[int, tuple[list[int], list[int]]] = {}
+    for lb, rb, part in zip(local_blocks, remote_blocks, local_parts, strict=True):
+        if not 0 <= part < parts:
+            raise LocalProtocolError(f"part {part} of a block read in {parts} parts")
+        mine, theirs = split.setdefault(part, ([], []))
+        mine.append(lb)
+        theirs.append(rb)
+    return split

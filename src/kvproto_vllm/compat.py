@@ -4,14 +4,15 @@ The compat hash plays the role of stock vLLM's ``compute_nixl_compatibility_hash
 the holder's side channel refuses a reader whose hash differs, and the reader
 fails its requests (recompute) with a clear log line instead of reading blocks
 it cannot interpret. Like stock, the model *path string* is a factor, so P and
-D must load the model from the same path. Unlike stock, the block size is a
-factor too: kvproto exchanges block ids one-to-one and does not remap sizes (stock's
-remapping of unequal sizes reads the wrong bytes with vLLM's head-major CPU layout).
-So are the KV cache groups and their placement (:mod:`.groups`).
-So is the transport (``kv_transport``): a UCX reader cannot use a NIXL
-holder's metadata, so such a pair is refused at the handshake (recompute), and
-:func:`neighbour_hashes` lets the reader name that cause, and a block size,
-dtype or MLA difference alike.
+D must load the model from the same path. The block size is not a factor: a
+holder names it in every request's ``kv_transfer_params`` and a reader whose
+blocks are a multiple of it reads each holder block into one part of its own
+(:func:`.groups.block_ratio`; any other pair is refused per request, recomputed).
+The KV cache groups and their placement are factors (:mod:`.groups`), and so is
+the transport (``kv_transport``): a UCX reader cannot use a NIXL holder's
+metadata, so such a pair is refused at the handshake (recompute), and
+:func:`neighbour_hashes` lets the reader name that cause, and a dtype or MLA
+difference alike.
 """
 
 from __future__ import annotations
@@ -53,7 +54,6 @@ def compat_factors(
         "head_size": model.get_head_size(),
         "num_hidden_layers": model.get_total_num_hidden_layers(),
         "cache_dtype": str(cache.cache_dtype),
-        "block_size": cache.block_size,
         "kv_transport": kv_transport,
         "use_mla": bool(model.use_mla),
         **(
@@ -72,7 +72,6 @@ def compat_hash(factors: dict[str, Any]) -> bytes:
 
 NEIGHBOUR_VALUES: dict[str, tuple[Any, ...]] = {
     "kv_transport": KV_TRANSPORTS,
-    "block_size": (16, 32, 48, 64, 96, 128, 256, 512, 1024),
     "use_mla": (False, True),
     "cache_dtype": ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2"),
     "dtype": ("torch.float32", "torch.float16", "torch.bfloat16"),

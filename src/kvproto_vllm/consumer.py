@@ -32,7 +32,16 @@ from typing import TYPE_CHECKING, Any
 from kvproto.errors import RemoteProtocolError
 from kvproto.ticket import PARAMS_KEY, LeaseTicket
 
-from .groups import FULL, TransferGroups, pair_blocks, single_full_group
+from .groups import (
+    FULL,
+    SLIDING_WINDOW,
+    SSM,
+    TransferGroups,
+    block_ratio,
+    last_parts,
+    pair_blocks,
+    single_full_group,
+)
 from .metadata import Recv, Track
 
 if TYPE_CHECKING:
@@ -60,6 +69,10 @@ class _Tracked:
     remote_block_ids: list[list[int]]
     """The holder's blocks, one list per transfer group (clipped by the holder)."""
     remote_num_tokens: int | None
+    holder_block_size: int
+    """The holder's tokens per block (``remote_block_size``; ours if it names none)."""
+    ratio: int = 1
+    """Holder blocks per local block (:func:`.groups.block_ratio`)."""
     turn2: bool = False
     planned: bool = False
 
@@ -108,8 +121,10 @@ class Consumer:
             if turn2:
                 params[TURN2_DONE_KEY] = True
             return
-        ticket, host, port, remote_blocks, remote_tokens = parsed
-        self._tracked[rid] = _Tracked(ticket, remote_blocks, remote_tokens, turn2=turn2)
+        ticket, host, port, remote_blocks, remote_tokens, holder_block, ratio = parsed
+        self._tracked[rid] = _Tracked(
+            ticket, remote_blocks, remote_tokens, holder_block, ratio=ratio, turn2=turn2
+        )
         self._tracks.append(Track(request_id=rid, ticket=ticket, host=host, port=port))
 
     def _is_turn2(self, params: dict[str, Any]) -> bool:
@@ -137,6 +152,13 @@ class Consumer:
         tracked = self._wanted(request)
         if tracked is None:
             return 0, False
+        count = self._available(tracked, request) - num_computed_tokens
+        if count <= 0 or count < self._threshold:
+            return 0, False  # nothing worth reading: update_state_after_alloc frees P at once
+        return count, True
+
+    def _available(self, tracked: _Tracked, request: Request) -> int:
+        """Prompt tokens whose KV the holder has for this request (local hits included)."""
         available = int(request.num_prompt_tokens)
         if not tracked.turn2:
             # An SSM state is the state after the holder's N-1 tokens: load as many.
@@ -145,10 +167,7 @@ class Consumer:
             available = min(available, tracked.remote_num_tokens)
         elif tracked.turn2:
             available = 0  # stock: a turn-2 holder that names no token count gives none
-        count = available - num_computed_tokens
-        if count <= 0 or count < self._threshold:
-            return 0, False  # nothing worth reading: update_state_after_alloc frees P at once
-        return count, True
+        return available
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -159,36 +178,51 @@ class Consumer:
             return
         local: list[list[int]] = [[] for _ in tracked.remote_block_ids]
         remote = [list(group) for group in tracked.remote_block_ids]
+        ratio, tail_parts = tracked.ratio, 1
         if num_external_tokens > 0:
             local = self._groups.clip(blocks.get_unhashed_block_ids_all_groups())
             allocated = blocks.get_block_ids()
+            tokens = self._available(tracked, request)
+            holder_blocks = -(-tokens // tracked.holder_block_size)
+            if ratio > 1:
+                tail_parts = last_parts(tokens, tracked.holder_block_size, ratio)
             for index, (gid, kind) in enumerate(
                 zip(self._groups.group_ids, self._groups.kinds, strict=True)
             ):
                 n_alloc = len(allocated[gid]) if gid < len(allocated) else 0
-                if kind == FULL and 0 < n_alloc < len(remote[index]):
-                    # The holder's blocks may cover more tokens than this request loads
-                    # (it decoded past the prompt, or a turn-2 prompt is shorter than D's
-                    # whole conversation). Block i here is the holder's block i, and the
-                    # read takes the tail of the remote list, so it must end where ours ends.
+                # The holder's blocks may cover more tokens than this request loads
+                # (it decoded past the prompt, or a turn-2 prompt is shorter than D's
+                # whole conversation). Its block i holds the tokens of our block
+                # i // ratio, and the read takes the tail of the remote list, so it must
+                # end where ours ends.
+                if kind == FULL and ratio == 1 and 0 < n_alloc < len(remote[index]):
                     remote[index] = remote[index][:n_alloc]
+                elif kind == FULL and ratio > 1 and n_alloc:
+                    remote[index] = remote[index][:holder_blocks]
         problem = None
+        windowed = [kind == SLIDING_WINDOW for kind in self._groups.kinds]
         try:
-            local_ids, remote_ids = pair_blocks(local, remote)
+            pairs = pair_blocks(
+                local, remote, ratio=ratio, tail_parts=tail_parts, windowed=windowed
+            )
         except ValueError as exc:
             # Nothing is read; every local block is reported bad, so vLLM recomputes.
             problem = f"{exc}; recomputing"
             log.error("request %s: %s", request.request_id, problem)
-            local_ids = [b for group in local for b in group]
-            remote_ids = []
+            pairs = None
         tracked.planned = True
         self._recvs.append(
             Recv(
                 request_id=request.request_id,
-                local_block_ids=local_ids,
-                remote_block_ids=remote_ids,
+                local_block_ids=[b for group in local for b in group]
+                if pairs is None
+                else pairs.local,
+                remote_block_ids=[] if pairs is None else pairs.remote,
                 awaiting=num_external_tokens > 0,
                 problem=problem,
+                local_parts=[] if pairs is None else pairs.parts,
+                ratio=ratio if pairs is not None else 1,
+                filled_block_ids=[] if pairs is None else pairs.filled,
             )
         )
         # One transfer per request, as stock (a turn-2 request keeps do_remote_decode).
@@ -230,7 +264,7 @@ class Consumer:
 
 def _parse(
     params: dict[str, Any], groups: TransferGroups, tp_size: int
-) -> tuple[LeaseTicket, str, int, list[list[int]], int | None] | str:
+) -> tuple[LeaseTicket, str, int, list[list[int]], int | None, int, int] | str:
     """The ticket and addressing of a remote-prefill request, or why it is unusable."""
     raw = params.get(PARAMS_KEY)
     if raw is None:
@@ -260,7 +294,19 @@ def _parse(
         return f"cannot read {tp_problem}"
     tokens = params.get("remote_num_tokens")
     remote_tokens = tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None
-    return ticket, host, port, blocks, remote_tokens
+    holder_block = params.get("remote_block_size", groups.block_size)
+    if isinstance(holder_block, bool) or not isinstance(holder_block, int):
+        return f"bad remote_block_size {holder_block!r}"
+    ratio = block_ratio(groups.block_size, holder_block) if groups.block_size else 1
+    if isinstance(ratio, str):
+        return ratio
+    if ratio > 1 and (groups.packed or SSM in groups.kinds):
+        return (
+            f"blocks of {holder_block} tokens (holder) and {groups.block_size} (here) with "
+            f"{groups.describe()} KV: unequal block sizes are read for attention groups "
+            "only (an SSM state is one indivisible block)"
+        )
+    return ticket, host, port, blocks, remote_tokens, holder_block, ratio
 
 
 def _block_ids(value: Any) -> list[list[int]] | None:

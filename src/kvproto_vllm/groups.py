@@ -31,7 +31,7 @@ Pure apart from reading vLLM's config objects: unit-testable without an engine.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -159,30 +159,90 @@ def single_full_group(block_size: int = 0) -> TransferGroups:
     )
 
 
-def pair_blocks(
-    local: Sequence[Sequence[int]], remote: Sequence[Sequence[int]]
-) -> tuple[list[int], list[int]]:
-    """(local, remote) block ids of one READ over every group, pair by pair.
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BlockPairs:
+    """One request's read plan over every group: holder block ``remote[i]`` fills part
+    ``parts[i]`` of ``ratio`` of local block ``local[i]`` (the whole block at ratio 1)."""
 
-    Per group the local blocks to fill take the tail of the holder's list; a group
-    with more local blocks than the holder has cannot be filled (ValueError: the
-    request is recomputed). Pairs with the null block on either side are dropped."""
+    local: list[int]
+    """Local block per pair (repeated for its parts when ``ratio > 1``)."""
+    remote: list[int]
+    """Holder block per pair."""
+    parts: list[int]
+    """Per pair, which part of the local block; empty at ratio 1."""
+    ratio: int = 1
+    """Holder blocks per local block (the decoder's block size over the holder's)."""
+    filled: list[int] = field(default_factory=list)
+    """Local blocks the read writes into, once each (every part not read is zeroed)."""
+
+
+def block_ratio(local_block_size: int, holder_block_size: int) -> int | str:
+    """Holder blocks per local block, or why the pair cannot be read.
+
+    A reader's block must be a whole number of holder blocks (stock NixlConnector's
+    ``block_size_ratio``): each holder block then fills one part of a local block, in
+    token order. A holder with larger blocks would have to be read in parts of its
+    head-major pages, which are not token ranges."""
+    if holder_block_size <= 0 or local_block_size <= 0:
+        return f"bad block sizes {holder_block_size} (holder) and {local_block_size} (local)"
+    if local_block_size % holder_block_size:
+        return (
+            f"the holder's block size {holder_block_size} does not divide this engine's "
+            f"{local_block_size} (a reader's blocks must be a multiple of the holder's)"
+        )
+    return local_block_size // holder_block_size
+
+
+def last_parts(tokens: int, holder_block_size: int, ratio: int) -> int:
+    """Parts of a request's last local block that hold any of its ``tokens`` (1..ratio)."""
+    holder_blocks = -(-tokens // holder_block_size)
+    return holder_blocks - (-(-holder_blocks // ratio) - 1) * ratio if tokens > 0 else ratio
+
+
+def pair_blocks(
+    local: Sequence[Sequence[int]],
+    remote: Sequence[Sequence[int]],
+    *,
+    ratio: int = 1,
+    tail_parts: int = 1,
+    windowed: Sequence[bool] = (),
+) -> BlockPairs:
+    """Local and holder block ids of one READ over every group, pair by pair.
+
+    Per group both lists end at the block holding the last token read: the local
+    blocks to fill (its parts, ``ratio`` per block, but only ``tail_parts`` of the last
+    one) take the tail of the holder's list (a partial prefix hit fills only the tail).
+    A group with more to fill than the holder has cannot be filled (ValueError: the
+    request is recomputed) unless it is ``windowed``: a sliding window's tail counted in
+    larger local blocks reaches further back than the holder's, and those leading parts
+    are out of the window (they are zeroed). Pairs with the null block on either side
+    are dropped."""
     if len(local) != len(remote):
         raise ValueError(f"{len(local)} local groups, the holder sent {len(remote)}")
-    out_local: list[int] = []
-    out_remote: list[int] = []
+    if ratio < 1 or not 1 <= tail_parts <= ratio:
+        raise ValueError(f"bad block ratio {ratio} with {tail_parts} parts in the last block")
+    out = BlockPairs(local=[], remote=[], parts=[], ratio=ratio)
     for group, (mine, theirs) in enumerate(zip(local, remote, strict=True)):
         if not mine:
             continue
-        if len(mine) > len(theirs):
-            raise ValueError(
-                f"group {group}: {len(mine)} local blocks to fill, the holder has {len(theirs)}"
-            )
-        for lb, rb in zip(mine, theirs[-len(mine) :], strict=True):
+        subs = [(int(b), part) for b in mine for part in range(ratio)]
+        del subs[len(subs) - (ratio - tail_parts) :]
+        if len(subs) > len(theirs):
+            if not (ratio > 1 and group < len(windowed) and windowed[group]):
+                what = "local blocks" if ratio == 1 else f"local block parts (of {ratio})"
+                raise ValueError(
+                    f"group {group}: {len(subs)} {what} to fill, the holder has {len(theirs)}"
+                )
+            subs = subs[len(subs) - len(theirs) :]
+        for (lb, part), rb in zip(subs, theirs[len(theirs) - len(subs) :], strict=True):
             if NULL_BLOCK not in (lb, rb):
-                out_local.append(int(lb))
-                out_remote.append(int(rb))
-    return out_local, out_remote
+                out.local.append(lb)
+                out.remote.append(int(rb))
+                if ratio > 1:
+                    out.parts.append(part)
+        if ratio > 1:
+            out.filled.extend(b for b in dict.fromkeys(int(b) for b in mine) if b != NULL_BLOCK)
+    return out
 
 
 def clip_ssm_state(blocks: list[int], spec_blocks: int) -> list[int]:

@@ -60,6 +60,14 @@ class Recv:
     problem: str | None = None
     """Why nothing can be read (the holder's blocks do not cover ours): the request
     fails at once, its local blocks reported bad, so vLLM recomputes it."""
+    ratio: int = 1
+    """Holder blocks per local block (the decoder's block size over the holder's)."""
+    local_parts: list[int] = field(default_factory=list)
+    """With ``ratio > 1``: per pair, which part of its local block the holder block
+    fills (the local ids then repeat, one pair per part); empty at ratio 1."""
+    filled_block_ids: list[int] = field(default_factory=list)
+    """With ``ratio > 1``: every local block the read writes into, once; after the read
+    its parts are put in the local page order and the parts not read are zeroed."""
 
 
 @dataclass(slots=True, kw_only=True)

@@ -179,6 +179,8 @@ class Producer:
             "dcp_size": self.dcp_size,
             "pp_size": self.pp_size,
             "remote_num_tokens": int(request.num_computed_tokens),
+            # A reader whose blocks are a multiple of ours reads each of ours into a part.
+            "remote_block_size": self.groups.block_size,
             # Stock's absolute turn-2 deadline (this host's monotonic clock), for proxies
             # that look at it; kvproto readers judge the ticket instead.
             "remote_blocks_expiry_time": ticket.deadline if turn2 else None,

@@ -38,6 +38,7 @@ from kvproto_binding.sidechannel import (
     HandshakeSucceeded,
 )
 
+from .block_parts import CannotRegroup, PagedRegions
 from .metadata import Recv, Track
 
 log = logging.getLogger("vllm.kvproto_connector.reader")
@@ -78,12 +79,17 @@ class ReaderSide:
         client: HandshakeClient,
         *,
         record: Callable[[str, str, str], None],
+        pages: PagedRegions | str = "no page views",
     ) -> None:
+        """``pages``: this rank's registered regions as pages, for reads of larger local
+        blocks from smaller holder blocks (:mod:`.block_parts`), or why there are none
+        (such reads then fail, and their requests are recomputed)."""
         self.reader = reader
         self.client = client
         self.endpoint: Endpoint | None = None
         self.counters = ReaderCounters()
         self._record = record
+        self._pages = pages
         self._holders: dict[str, tuple[str, int]] = {}
         self._reads: dict[str, _Read] = {}
         self._verdicts: dict[str, str | None] = {}
@@ -185,7 +191,7 @@ class ReaderSide:
             log.error(
                 "KV handshake with prefill engine %s (rank %d at %s:%d) refused: the engines "
                 "are not compatible (%s). They must run the same vLLM and model -- loaded from "
-                "the same path --, dtype, KV cache dtype, block size and kv_transport. Its "
+                "the same path --, dtype, KV cache dtype, KV cache groups and kv_transport. Its "
                 "requests are recomputed locally.",
                 engine,
                 rank,
@@ -250,12 +256,21 @@ class ReaderSide:
             if not self.reader.ready_to_read(rid):
                 continue
             read.started = True
+            if read.recv.ratio > 1 and isinstance(self._pages, str):
+                # Unreachable with vLLM 0.32's layouts; reading would leave a page
+                # that attention cannot use, so the holder frees and vLLM recomputes.
+                log.error("request %s: blocks in parts not readable: %s", rid, self._pages)
+                self._fail_parts(now, rid)
+                started = True
+                continue
             try:
                 decision = self.endpoint.start_read(
                     now,
                     rid,
                     local_blocks=read.recv.local_block_ids,
                     remote_blocks=read.recv.remote_block_ids,
+                    local_parts=read.recv.local_parts,
+                    parts=read.recv.ratio,
                 )
             except TransportError as exc:
                 # The binding only absorbs unreachable peers; a layout or registration
@@ -293,6 +308,8 @@ class ReaderSide:
             return
         if read.aborted:
             self._reader_finish(now, rid)
+        if failure is None and read.recv.ratio > 1 and not read.aborted:
+            failure = self._regroup(rid, read.recv)
         if failure is None:
             self._record("confirmed", rid, f"{len(read.recv.local_block_ids)} blocks")
         else:
@@ -305,6 +322,19 @@ class ReaderSide:
             self._failed.add(rid)
             self._bad_blocks.update(read.recv.local_block_ids)
             self.counters.failed_recving += 1
+
+    def _regroup(self, rid: str, recv: Recv) -> str | None:
+        """Put a confirmed read's parts in page order; why not, as a failure reason."""
+        try:
+            if isinstance(self._pages, str):
+                raise CannotRegroup(self._pages)
+            self._pages.regroup(
+                recv.ratio, recv.local_block_ids, recv.local_parts, recv.filled_block_ids
+            )
+        except (CannotRegroup, KeyError, IndexError) as exc:
+            log.error("request %s: read blocks not regrouped (recomputed): %s", rid, exc)
+            return "regroup-failed"
+        return None
 
     # ------------------------------------------------------------ reporting
 

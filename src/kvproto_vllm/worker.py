@@ -49,6 +49,7 @@ from kvproto.stats import counts_of
 from kvproto.transport import Transport, TransportError
 from kvproto_binding.endpoint import Endpoint
 
+from .block_parts import CannotRegroup, PagedRegions, paged_regions, region_heads
 from .compat import (
     compat_factors,
     compat_hash,
@@ -59,7 +60,7 @@ from .compat import (
 from .config import AdapterConfig
 from .groups import TransferGroups, single_full_group
 from .holder_side import HolderSide
-from .kv_layout import kv_layout
+from .kv_layout import KvLayout, kv_layout
 from .metadata import KvprotoHandshakeMetadata, KvprotoMetadata
 from .reader_side import ReaderSide
 
@@ -242,10 +243,29 @@ class WorkerSide:
                 timeout_s=self.cfg.handshake_timeout_s,
                 max_attempts=self.cfg.handshake_attempts,
             )
-            self.reader_side = ReaderSide(reader, client, record=self.record)
+            self.reader_side = ReaderSide(
+                reader, client, record=self.record, pages=self._pages(registered)
+            )
             self._client = client
             if not self.producer:
                 self._make_endpoint()
+
+    def _pages(self, registered: KvLayout) -> PagedRegions | str:
+        """The registered regions as pages (reads into blocks larger than the holder's
+        regroup them), or why not: then such reads are refused, their requests recomputed."""
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+        try:
+            backends = {b.get_name() for b in get_current_attn_backends(self.vllm_config)}
+            if len(backends) != 1:
+                raise CannotRegroup(f"attention backends {sorted(backends)}")
+            heads = region_heads(registered.region_names, self.kv_cache_config)
+            return paged_regions(
+                registered.layout, registered.tensors, heads, backend=backends.pop()
+            )
+        except (ValueError, AttributeError) as exc:  # CannotRegroup, or vLLM's config lacks it
+            log.info("rank %d: larger-block reads not possible here: %s", self.rank, exc)
+            return str(exc)
 
     def handshake_metadata(self) -> KvprotoHandshakeMetadata:
         return KvprotoHandshakeMetadata(rank=self.rank, stock_payload=self.stock_payload)

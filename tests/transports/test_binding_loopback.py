@@ -16,7 +16,7 @@ BLOCK = 64
 class World:
     """P (holder) and D (reader) endpoints on one loopback network, driven step by step."""
 
-    def __init__(self, *, delay: float = 0.001) -> None:
+    def __init__(self, *, delay: float = 0.001, d_block_len: int = BLOCK) -> None:
         self.cfg = LeaseConfig()
         self.net = LoopbackNetwork(seed=3, detection_delay=0.05)
         self.p_ep = self.net.endpoint("P")
@@ -25,7 +25,7 @@ class World:
         self.net.set_link("D", "P", LinkFaults(delay=delay))
         self.p_layout = self.p_ep.allocate_layout(2, BLOCK, 8)
         self.p_ep.register_blocks(self.p_layout)
-        self.d_ep.register_blocks(self.d_ep.allocate_layout(2, BLOCK, 8))
+        self.d_ep.register_blocks(self.d_ep.allocate_layout(2, d_block_len, 8))
         holder = Holder(self.cfg, engine="P", incarnation=1, entropy=counter_entropy(1))
         reader = Reader(self.cfg, engine="D", incarnation=2, entropy=counter_entropy(99))
         self.p = Endpoint(self.p_ep, holder=holder)
@@ -71,6 +71,52 @@ def test_queued_request_heartbeats_then_reads_real_bytes_and_frees_on_done() -> 
     for region in range(2):
         for local, remote in zip([0, 1, 2], [5, 6, 7], strict=True):
             assert w.d_ep.read_block(region, local) == bytes([region * 16 + remote]) * BLOCK
+
+
+def _read_in_parts(w: World, remote: list[int]) -> None:
+    """P blocks ``remote`` (4 of them) into D blocks 1 and 2, two parts each."""
+    for region in range(2):
+        for block in range(8):
+            w.p_ep.write_block(region, block, bytes([region * 16 + block]) * BLOCK)
+    assert w.p.holder is not None and w.d.reader is not None
+    ticket = w.p.holder.grant(0.0, request_id="p-1")
+    w.d.reader.track(0.0, request_id="d-1", ticket=ticket)
+    w.run(2.0)
+    go = w.d.start_read(
+        2.0,
+        "d-1",
+        local_blocks=[1, 1, 2, 2],
+        remote_blocks=remote,
+        local_parts=[0, 1, 0, 1],
+        parts=2,
+    )
+    assert isinstance(go, ReadGo)
+
+
+def test_larger_local_blocks_are_read_in_parts_and_the_done_follows_the_last() -> None:
+    w = World(d_block_len=2 * BLOCK)
+    _read_in_parts(w, [4, 5, 6, 7])
+    # One READ per part, no done attached to either; the done is its own notify-only
+    # read, issued once both parts landed (a done riding one part could free P's blocks
+    # while the other is still being read).
+    assert w.d_ep.counters.reads_issued == 2
+    w.run(2.5)
+    assert w.d_ep.counters.reads_issued == 3
+    assert [reason for _, reason in w.freed] == [ReleaseReason.DONE]
+    assert [rid for _, rid in w.confirmed] == ["d-1"]
+    for region in range(2):
+        tag = region * 16
+        assert w.d_ep.read_block(region, 1) == bytes([tag + 4]) * BLOCK + bytes([tag + 5]) * BLOCK
+        assert w.d_ep.read_block(region, 2) == bytes([tag + 6]) * BLOCK + bytes([tag + 7]) * BLOCK
+
+
+def test_a_failed_part_fails_the_request_once_every_part_has_ended() -> None:
+    w = World(d_block_len=2 * BLOCK)
+    _read_in_parts(w, [4, 99, 6, 7])  # P has no block 99: part 1's READ fails in flight
+    w.run(2.5)
+    assert w.d_ep.counters.reads_issued == 2  # no done was sent
+    assert w.confirmed == [] and w.failed != []
+    assert ReleaseReason.DONE not in [reason for _, reason in w.freed]
 
 
 def _queue_then(w: World, fault: str) -> None:

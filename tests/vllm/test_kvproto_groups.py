@@ -53,9 +53,10 @@ def _window(window: int) -> Any:
 def test_pairs_take_each_groups_tail_and_skip_the_null_block() -> None:
     # Full group: 2 blocks to fill after a 1-block prefix hit; window group: 3 blocks,
     # the holder's first one out of its window (null).
-    local, remote = pair_blocks([[7, 8], [20, 21, 22]], [[1, 2, 3], [0, 11, 12]])
-    assert local == [7, 8, 21, 22]
-    assert remote == [2, 3, 11, 12]
+    pairs = pair_blocks([[7, 8], [20, 21, 22]], [[1, 2, 3], [0, 11, 12]])
+    assert pairs.local == [7, 8, 21, 22]
+    assert pairs.remote == [2, 3, 11, 12]
+    assert pairs.parts == [] and pairs.ratio == 1  # whole blocks: no parts, nothing regrouped
 
 
 def test_pairs_refuse_more_local_blocks_than_the_holder_has() -> None:
