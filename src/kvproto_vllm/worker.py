@@ -154,6 +154,8 @@ class WorkerSide:
         self._closed = False
         self._last_pump: float | None = None
         self._max_gap = 0.0
+        self._quiet = False
+        """The last pump left nothing to do (:meth:`_idle`): the next gap is not a lag."""
         self._thread: int | None = None
         """The thread the transport was last entered from (:meth:`_enter`)."""
         self._active = True
@@ -294,6 +296,7 @@ class WorkerSide:
             self._apply(now, meta)  # the first step: the holder and the endpoint
         if self._idle():
             self._last_pump = now  # nothing was due: no heartbeat lag to bound
+            self._quiet = True
             return
         self._pump(now)
 
@@ -351,12 +354,19 @@ class WorkerSide:
         return self.reader_side.take_bad_blocks() if self.reader_side is not None else set()
 
     def _pump(self, now: float) -> None:
-        assert self.transport is not None
         # Heartbeats, acks and done verdicts move only here: the longest gap between
         # pumps bounds how late a due heartbeat can leave (the lag vLLM's step adds).
-        if self._last_pump is not None and now - self._last_pump > self._max_gap:
-            self._max_gap = now - self._last_pump
+        # A gap after a pump that left nothing to do is not such a lag: vLLM does not
+        # step an engine without requests, and that wait is not the connector's.
+        gap = None if self._last_pump is None or self._quiet else now - self._last_pump
+        if gap is not None and gap > self._max_gap:
+            self._max_gap = gap
         self._last_pump = now
+        self._pump_once(now)
+        self._quiet = self._idle()
+
+    def _pump_once(self, now: float) -> None:
+        assert self.transport is not None
         if self.server is not None:
             for intro in self.server.poll_introductions():
                 self._active = True

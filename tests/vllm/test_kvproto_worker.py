@@ -325,6 +325,32 @@ def test_idle_engines_skip_the_pump_and_wake_on_their_first_order(pair: Any) -> 
         p.shutdown()
 
 
+def test_the_pump_gap_counts_waits_with_work_pending_only(pair: Any) -> None:
+    """``worker_pump_gap_ms_max`` bounds how late a due heartbeat answer or done can be: a
+    wait while a lease is held counts, a wait with nothing to do (vLLM does not step an
+    engine without requests) does not."""
+    _, _, _, _, cfg = pair
+    p, _ = make_worker(cfg, "P-gap", producer=True, port=free_port())
+    d, _ = make_worker(cfg, "D-gap", producer=False, port=free_port())
+    try:
+        loop = Loop(p, d)
+        loop.step()
+        p.take_pump_gap_ms()
+        time.sleep(0.3)  # no request anywhere: nothing is late
+        ticket = mint(p, "p-gap-1")
+        p_meta, _ = grant_and_orders(
+            ticket, p.base_port, [3, 4], [5, 6], p_rid="p-gap-1", d_rid="d-gap-1"
+        )
+        loop.step(p_meta)
+        assert p.take_pump_gap_ms() < 300
+        time.sleep(0.3)  # a lease is held: its reader's frames wait for this pump
+        loop.step()
+        assert p.take_pump_gap_ms() >= 300
+    finally:
+        d.shutdown()
+        p.shutdown()
+
+
 class Ranks:
     """Several worker ranks of a P and a D engine, stepped together."""
 
