@@ -45,6 +45,9 @@ ROWS: tuple[TableRow, ...] = (
     TableRow("slow-forward", "overlapped_reads", "1-20 s steps", "used freed"),
     TableRow("lossy", "overlapped_reads", "5% drop/dup/reorder", "used freed"),
     TableRow("clock-skew", "overlapped_reads", "±1 h, 200 ppm", "used freed"),
+    # Both heartbeat rows: kvproto sends more in the healthy run (and in every scenario but
+    # decode-overload), less only where vLLM's frames grow with the queue.
+    TableRow("normal", "heartbeat_bytes", "healthy, short decode queues", "heartbeat bytes"),
     TableRow("decode-overload", "heartbeat_bytes", "queues up to 10x the lease", "heartbeat bytes"),
 )
 """The rows, in order."""
