@@ -145,7 +145,7 @@ class BadMetadata(TransportError, RemoteProtocolError):
     """``add_peer`` was given metadata this transport cannot use.
 
     Also a :class:`~kvproto.errors.RemoteProtocolError`: metadata comes from a peer,
-    and every parser a peer reaches raises one (issue 16's single taxonomy)."""
+    and every parser a peer reaches raises one: one taxonomy for all of them."""
 
 
 class MemoryNotRegistered(TransportError):

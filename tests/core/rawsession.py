@@ -1,6 +1,6 @@
 """Open a holder session by hand, as a reader would, for tests that speak raw frames.
 
-Since issue 16 a session exists only for a Hello anchored on a ticket, and every
+A session exists only for a Hello anchored on a ticket, and every
 later frame is signed with the session key derived from that ticket's token.
 """
 

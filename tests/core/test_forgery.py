@@ -1,4 +1,4 @@
-"""Issue 16: in the DEFAULT configuration (no ``auth_secret``) no frame without proof
+"""In the DEFAULT configuration (no ``auth_secret``) no frame without proof
 changes a lease, and no forged frame starves the genuine reader.
 
 The attacker here is off-path or on-path but holds no ticket of D's: it sends under

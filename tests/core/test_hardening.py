@@ -1,4 +1,4 @@
-"""Issue 7's attacks on the holder: forged, replayed, late, oversized and flooding frames
+"""Attacks on the holder: forged, replayed, late, oversized and flooding frames
 are refused and counted, the honest reader is unaffected; authentication; owner binding."""
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """An eavesdropper replays D's frames from its own peer: nothing changes, D's read holds.
 
-Before issue 16, without ``auth_secret``, an attacker who could read D's
-notifications replayed D's Hello from its own peer and sent a Done built from D's
-sniffed claim proof: the blocks were freed early and D's read was fenced (LATE).
-Now the Hello's anchor proof opens a session whose key the attacker cannot derive
+Without ``auth_secret``, an attacker who can read D's notifications replays D's Hello
+from its own peer and sends a Done built from D's sniffed claim proof; were sessions not
+keyed by the ticket, that would free the blocks early and fence D's read (LATE). The
+Hello's anchor proof opens a session whose key the attacker cannot derive
 (it needs the ticket's token, which never travels on the notification channel), so
 the sniffed Done, unsigned or signed with any key it can guess, frees nothing.
 """

@@ -416,7 +416,7 @@ class LeaseMachine(RuleBasedStateMachine):
     def forge_under_d_name(
         self, data: st.DataObject, kind: str, seq: int, key: bytes | None
     ) -> None:
-        """Issue 16: X sends under a D rank's own transport name, without any ticket:
+        """X sends under a D rank's own transport name, without any ticket:
         no claims (count=0, digest=0), sniffed proofs, seq jumps, anchorless Hellos.
         Nothing may change: not a state, not a deadline, not a counter of applied frames."""
         peer = data.draw(st.sampled_from(sorted(self.readers)))

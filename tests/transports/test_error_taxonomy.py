@@ -1,4 +1,4 @@
-"""Issue 16: one error taxonomy for every parser a peer reaches.
+"""One error taxonomy for every parser a peer reaches.
 
 Wire frames, tickets, side-channel requests and replies, NIXL and UCX metadata all raise
 a ``RemoteProtocolError`` subclass on bad input (before, the side channel leaked
@@ -70,7 +70,7 @@ def test_ucx_hello_is_a_hello_or_none(data: bytes) -> None:
 
 
 def test_layout_and_registration_errors_are_one_class_for_every_transport() -> None:
-    """Issue 18: generic code catches ``kvproto.transport.LayoutMismatch`` from any transport."""
+    """Generic code catches ``kvproto.transport.LayoutMismatch`` from any transport."""
     from kvproto import transport
     from kvproto_transports import nixl, ucx
 

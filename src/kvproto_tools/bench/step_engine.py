@@ -32,7 +32,7 @@ thread that builds it to the last core of each NUMA node (vLLM's
 ``base_worker.py``, "reserve different cores for start_load_kv()"). In process
 that thread is the engine thread, so both stock engines would share D's core,
 and the NIXL threads it starts inherit that core: stock's steps then take
-1.9-3.3x kvproto's (round 4 of issue 15), for a reason that is not its hooks.
+1.9-3.3x kvproto's (measured), for a reason that is not its hooks.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A lease node that can also run a raw NIXL agent under a name it chooses.
 
-Issue 16's third party: NIXL delivers a notification from an agent that was never
+The third party: NIXL delivers a notification from an agent that was never
 added under the name the sender claims (spec/nixl-transport.md §1), so an agent
 created with the decoder's own agent name speaks, to the holder, as the decoder.
 ``NixlTransport`` always adds a random suffix to its name, so the forger uses the

@@ -1,8 +1,8 @@
-"""Issue 16 over real NIXL: a third agent that claims the decoder's agent name.
+"""Forgery over real NIXL: a third agent that claims the decoder's agent name.
 
 NIXL delivers a notification from an agent never added under the name its sender
 claims, so a third process ``X`` creates a NIXL agent with D's exact agent name and
-floods the holder with what issue 16 found: heartbeats without proof (``count=0,
+floods the holder with every frame a forger can make: heartbeats without proof (``count=0,
 digest=0``) at ``seq=2**62``, unsigned and signed with a guessed key, dones and aborts
 carrying D's claim proof (as an on-path observer would have sniffed it), and a Hello
 without an anchor as a "new incarnation" of D. In the default configuration none of
