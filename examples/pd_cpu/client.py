@@ -7,6 +7,7 @@ disaggregated answer can be compared with a plain engine's token for token.
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import urllib.error
@@ -67,6 +68,96 @@ def complete(
     if kv_transfer_params is not None:
         body["kv_transfer_params"] = kv_transfer_params
     return _post(url + "/v1/completions", body, chat=False)
+
+
+def sample(
+    url: str,
+    model: str,
+    prompt: str,
+    *,
+    n: int,
+    seed: int,
+    max_tokens: int = 8,
+    stream: bool = False,
+    temperature: float = 0.8,
+) -> list[Answer]:
+    """``POST /v1/completions`` with ``n`` seeded samples: one Answer per choice, by index."""
+    body = _body(model, max_tokens, stream, prompt=prompt, n=n, seed=seed)
+    body["temperature"] = temperature
+    request = urllib.request.Request(
+        url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    t0 = time.monotonic()
+    texts: dict[int, list[str]] = {}
+    ids: dict[int, tuple[int, ...] | None] = {}
+    finish: dict[int, str | None] = {}
+    try:
+        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as reply:
+            choices = (
+                [c for event in _events(reply) for c in event.get("choices", [])]
+                if stream
+                else json.load(reply).get("choices", [])
+            )
+            for choice in choices:
+                index = int(choice["index"])
+                texts.setdefault(index, []).append(choice.get("text") or "")
+                got = choice.get("token_ids")
+                ids[index] = tuple(got) if got is not None else None
+                finish[index] = choice.get("finish_reason") or finish.get(index)
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace")[:300]
+        raise RequestFailed(f"HTTP {exc.code} from {url}: {detail}") from exc
+    except (urllib.error.URLError, OSError, ValueError, KeyError) as exc:
+        raise RequestFailed(f"{url}: {exc}") from exc
+    total = time.monotonic() - t0
+    if sorted(texts) != list(range(n)):
+        raise RequestFailed(f"{url}: choices {sorted(texts)} for n={n}")
+    return [
+        Answer(
+            text="".join(texts[i]),
+            token_ids=None if stream else ids[i],
+            finish_reason=finish[i],
+            ttft_s=total,
+            total_s=total,
+        )
+        for i in range(n)
+    ]
+
+
+def cancel_stream(
+    url: str,
+    model: str,
+    prompt: str,
+    *,
+    after_chunks: int,
+    wait_s: float = 0.0,
+    max_tokens: int = 64,
+) -> int:
+    """Start a streamed completion and hang up, as a client that gives up does.
+
+    Reads ``after_chunks`` events of the stream (0: none, the request still prefilling
+    or waiting for its KV), waits ``wait_s`` more, then closes the connection. Returns
+    the events read."""
+    host, _, port = url.removeprefix("http://").partition(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=REQUEST_TIMEOUT_S)
+    body = json.dumps(_body(model, max_tokens, True, prompt=prompt))
+    read = 0
+    try:
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        if after_chunks:
+            reply = conn.getresponse()
+            while read < after_chunks:
+                line = reply.readline()
+                if not line:
+                    break
+                read += line.startswith(b"data:")
+        time.sleep(wait_s)
+    finally:
+        conn.close()
+    return read
 
 
 def prefill(url: str, model: str, prompt: str) -> dict[str, Any]:
