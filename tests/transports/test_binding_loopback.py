@@ -36,6 +36,16 @@ class World:
         self.confirmed: list[tuple[float, str]] = []
         self.failed: list[str] = []
 
+    def tagged_and_tracked(self) -> None:
+        """P's block ``b`` of region ``r`` filled with byte ``16 r + b``; P grants one lease
+        at t=0 and D tracks it (request ids p-1 and d-1)."""
+        for region in range(2):
+            for block in range(8):
+                self.p_ep.write_block(region, block, bytes([region * 16 + block]) * BLOCK)
+        assert self.p.holder is not None and self.d.reader is not None
+        ticket = self.p.holder.grant(0.0, request_id="p-1")
+        self.d.reader.track(0.0, request_id="d-1", ticket=ticket)
+
     def run(self, until: float, step: float = 0.01) -> None:
         t = self.net.now
         while t < until - 1e-9:
@@ -54,15 +64,10 @@ class World:
 
 def test_queued_request_heartbeats_then_reads_real_bytes_and_frees_on_done() -> None:
     w = World()
-    for region in range(2):
-        for block in range(8):
-            w.p_ep.write_block(region, block, bytes([region * 16 + block]) * BLOCK)
-    assert w.p.holder is not None and w.d.reader is not None
-    ticket = w.p.holder.grant(0.0, request_id="p-1")
-    w.d.reader.track(0.0, request_id="d-1", ticket=ticket)
+    w.tagged_and_tracked()
     w.run(100.0, step=0.25)  # queued for 100 s, more than three lease durations
     assert w.freed == [] and w.failed == []
-    assert w.d.reader.ready_to_read("d-1")
+    assert w.d.reader is not None and w.d.reader.ready_to_read("d-1")
     go = w.d.start_read(100.0, "d-1", local_blocks=[0, 1, 2], remote_blocks=[5, 6, 7])
     assert isinstance(go, ReadGo)
     w.run(100.5)
@@ -75,12 +80,7 @@ def test_queued_request_heartbeats_then_reads_real_bytes_and_frees_on_done() -> 
 
 def _read_in_parts(w: World, remote: list[int]) -> None:
     """P blocks ``remote`` (4 of them) into D blocks 1 and 2, two parts each."""
-    for region in range(2):
-        for block in range(8):
-            w.p_ep.write_block(region, block, bytes([region * 16 + block]) * BLOCK)
-    assert w.p.holder is not None and w.d.reader is not None
-    ticket = w.p.holder.grant(0.0, request_id="p-1")
-    w.d.reader.track(0.0, request_id="d-1", ticket=ticket)
+    w.tagged_and_tracked()
     w.run(2.0)
     go = w.d.start_read(
         2.0,

@@ -4,7 +4,7 @@ heartbeat every 1 s, a heartbeat keeps the lease 4 s).
 One kvproto pair (P, and D with max_num_seqs=1 so a request can be made to
 queue behind local work), then, with ``KVPROTO_STOCK_BESIDE=1``, one stock
 NixlConnector pair for the side-by-side figure of C (CI skips it for time;
-spec/benchmarks.md has its figure):
+spec/vllm-adapter.md §4 has its figure):
 
 A. Overload: D's request waits in the queue for three lease durations behind
    local requests; D heartbeats it from enqueue, so P never frees early; the
