@@ -178,13 +178,13 @@ class Consumer:
             return
         local: list[list[int]] = [[] for _ in tracked.remote_block_ids]
         remote = [list(group) for group in tracked.remote_block_ids]
-        ratio, tail_parts = tracked.ratio, 1
+        ratio, tail_parts, holder_blocks = tracked.ratio, 1, 0
         if num_external_tokens > 0:
             local = self._groups.clip(blocks.get_unhashed_block_ids_all_groups())
             allocated = blocks.get_block_ids()
-            tokens = self._available(tracked, request)
-            holder_blocks = -(-tokens // tracked.holder_block_size)
-            if ratio > 1:
+            if ratio > 1:  # (an SSM-only engine has no block size: ratio 1)
+                tokens = self._available(tracked, request)
+                holder_blocks = -(-tokens // tracked.holder_block_size)
                 tail_parts = last_parts(tokens, tracked.holder_block_size, ratio)
             for index, (gid, kind) in enumerate(
                 zip(self._groups.group_ids, self._groups.kinds, strict=True)

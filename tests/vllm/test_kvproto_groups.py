@@ -226,3 +226,46 @@ def test_transfer_groups_refuses_what_it_cannot_move() -> None:
     )
     groups = transfer_groups(cfg, ok)
     assert groups.kinds == (FULL, SLIDING_WINDOW) and groups.window_blocks == (0, 4)
+
+
+def test_an_ssm_only_engine_plans_its_read_with_no_block_size() -> None:
+    """An engine whose only group is SSM state has no attention block size (0), and the
+    holder names 0 as its ``remote_block_size``: the read is planned whole (ratio 1)."""
+    from types import SimpleNamespace
+
+    from kvproto.config import LeaseConfig
+    from kvproto.holder import Holder
+    from kvproto_vllm.consumer import Consumer
+
+    groups = TransferGroups(
+        kinds=(SSM,),
+        group_ids=(0,),
+        num_groups=1,
+        window_blocks=(0,),
+        ssm_spec_blocks=(0,),
+        block_size=0,
+    )
+    ticket = Holder(LeaseConfig(), engine="P", incarnation=1).grant(0.0, request_id="p-1")
+    params = {
+        "do_remote_prefill": True,
+        "remote_block_ids": [[7]],
+        "remote_engine_id": "P",
+        "remote_host": "127.0.0.1",
+        "remote_port": 5600,
+        "remote_num_tokens": 40,
+        "remote_block_size": 0,
+        "kvproto": ticket.to_params(),
+    }
+    request: Any = SimpleNamespace(
+        request_id="d-1", kv_transfer_params=params, num_prompt_tokens=41
+    )
+    consumer = Consumer(groups=groups)
+    consumer.on_new_request(request)
+    assert consumer.is_tracked("d-1")
+    blocks: Any = SimpleNamespace(
+        get_unhashed_block_ids_all_groups=lambda: ([3],), get_block_ids=lambda: ([3],)
+    )
+    consumer.update_state_after_alloc(request, blocks, 40)
+    (recv,) = consumer.take()[1]
+    assert (recv.local_block_ids, recv.remote_block_ids, recv.ratio) == ([3], [7], 1)
+    assert recv.problem is None
