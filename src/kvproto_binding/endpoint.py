@@ -212,12 +212,10 @@ class Endpoint:
         reader = self._need_reader()
         decision = reader.begin_read(now, request_id)
         if isinstance(decision, ReadGo):
-            if parts > 1:
-                split = _split_parts(local_blocks, remote_blocks, local_parts, parts)
-                tail: list[int] = list(remote_blocks)
-            else:
-                split = {}
-                tail = blocks_to_read(local_blocks, remote_blocks)
+            tail = blocks_to_read(local_blocks, remote_blocks)
+            split = (
+                _split_parts(local_blocks, remote_blocks, local_parts, parts) if parts > 1 else {}
+            )
             local = list(local_blocks)
             for order in decision.orders:
                 if split and order.carries_data:

@@ -36,6 +36,7 @@ from .groups import (
     FULL,
     SLIDING_WINDOW,
     SSM,
+    BlockPairs,
     TransferGroups,
     block_ratio,
     last_parts,
@@ -209,20 +210,18 @@ class Consumer:
             # Nothing is read; every local block is reported bad, so vLLM recomputes.
             problem = f"{exc}; recomputing"
             log.error("request %s: %s", request.request_id, problem)
-            pairs = None
+            pairs = BlockPairs(local=[b for group in local for b in group], remote=[], parts=[])
         tracked.planned = True
         self._recvs.append(
             Recv(
                 request_id=request.request_id,
-                local_block_ids=[b for group in local for b in group]
-                if pairs is None
-                else pairs.local,
-                remote_block_ids=[] if pairs is None else pairs.remote,
+                local_block_ids=pairs.local,
+                remote_block_ids=pairs.remote,
                 awaiting=num_external_tokens > 0,
                 problem=problem,
-                local_parts=[] if pairs is None else pairs.parts,
-                ratio=ratio if pairs is not None else 1,
-                filled_block_ids=[] if pairs is None else pairs.filled,
+                local_parts=pairs.parts,
+                ratio=pairs.ratio,
+                filled_block_ids=pairs.filled,
             )
         )
         # One transfer per request, as stock (a turn-2 request keeps do_remote_decode).
