@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -133,14 +134,15 @@ def cancel_stream(
     prompt: str,
     *,
     after_chunks: int,
-    wait_s: float = 0.0,
+    hang_up: threading.Event | None = None,
     max_tokens: int = 64,
 ) -> int:
     """Start a streamed completion and hang up, as a client that gives up does.
 
     Reads ``after_chunks`` events of the stream (0: none, the request still prefilling
-    or waiting for its KV), waits ``wait_s`` more, then closes the connection. Returns
-    the events read."""
+    or waiting for its KV), waits until ``hang_up`` is set (when given: the caller
+    chooses the moment, e.g. once the request is claimed, rather than guessing a
+    delay), then closes the connection. Returns the events read."""
     host, _, port = url.removeprefix("http://").partition(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=REQUEST_TIMEOUT_S)
     body = json.dumps(_body(model, max_tokens, True, prompt=prompt))
@@ -154,7 +156,8 @@ def cancel_stream(
                 if not line:
                     break
                 read += line.startswith(b"data:")
-        time.sleep(wait_s)
+        if hang_up is not None:
+            hang_up.wait(REQUEST_TIMEOUT_S)
     finally:
         conn.close()
     return read

@@ -23,6 +23,7 @@ Lease duration 10 s (interval 1 s, extension 6 s) keeps the expiry waits short.
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -220,37 +221,57 @@ def test_cancelled_requests_free_p_at_once_and_do_not_slow_the_next(
     wait_for(lambda: _leases_settled(pd), LEASE_S + 5.0, poll_s=0.05)
     before = _holder(pd)
     prompts = [_prompt(f"cancel-{moment}", i) for i in range(5)]
+    occupied, hang_up = threading.Event(), threading.Event()
+    claimed_s = 0.0
     with ThreadPoolExecutor(max_workers=len(prompts) + DECODE_SEQS) as pool:
-        if moment == "queued":
-            # D's slots busy with streams whose clients read one event and then wait,
-            # so the cancelled requests queue behind them: claimed, heartbeated, unread.
-            for i in range(DECODE_SEQS):
-                pool.submit(
-                    cancel_stream,
-                    d_url,
-                    model,
-                    f"occupy {i}",
-                    after_chunks=1,
-                    wait_s=7.5,
-                    max_tokens=pd.model.max_model_len - OCCUPY_PROMPT_TOKENS,
+        try:
+            if moment == "queued":
+                # D's slots busy with streams whose clients read one event and then wait,
+                # so the cancelled requests queue behind them: claimed, heartbeated, unread.
+                occupying = [
+                    pool.submit(
+                        cancel_stream,
+                        d_url,
+                        model,
+                        f"occupy {i}",
+                        after_chunks=1,
+                        hang_up=occupied,
+                        max_tokens=pd.model.max_model_len - OCCUPY_PROMPT_TOKENS,
+                    )
+                    for i in range(DECODE_SEQS)
+                ]
+                wait_for(lambda: _running(d_url) >= DECODE_SEQS, 30.0)
+                cancels = [
+                    pool.submit(
+                        cancel_stream, pd.router_url, model, p, after_chunks=0, hang_up=hang_up
+                    )
+                    for p in prompts
+                ]
+                # Every one is claimed (P holds its lease for D) before its client hangs up.
+                # How long that takes is a figure: D's API server streams the occupying
+                # answers on the cores P and the router share.
+                claimed_s = wait_for(
+                    lambda: _holder(pd).get("leases_held", 0.0) >= len(prompts), LEASE_S
                 )
-            wait_for(lambda: _running(d_url) >= DECODE_SEQS, 30.0)
-            cancels = [
-                pool.submit(cancel_stream, pd.router_url, model, p, after_chunks=0, wait_s=5.0)
-                for p in prompts
-            ]
-            # Every one is claimed (P holds its lease for D) before its client hangs up.
-            wait_for(lambda: _holder(pd).get("leases_held", 0.0) >= len(prompts), 4.5)
-            held_at_close = _holder(pd).get("leases_held", 0.0)
-        else:
-            cancels = [
-                pool.submit(cancel_stream, pd.router_url, model, p, after_chunks=2) for p in prompts
-            ]
-            held_at_close = 0.0
-        for future in cancels:
-            future.result(timeout=60)
-        freed_s = wait_for(lambda: _leases_settled(pd), LEASE_S + 5.0, poll_s=0.02)
-        after = _holder(pd)
+                held_at_close = _holder(pd).get("leases_held", 0.0)
+            else:
+                cancels = [
+                    pool.submit(cancel_stream, pd.router_url, model, p, after_chunks=2)
+                    for p in prompts
+                ]
+                occupying = []
+                held_at_close = 0.0
+            hang_up.set()
+            for future in cancels:
+                future.result(timeout=60)
+            freed_s = wait_for(lambda: _leases_settled(pd), LEASE_S + 5.0, poll_s=0.02)
+            after = _holder(pd)
+            occupied.set()
+            for future in occupying:
+                future.result(timeout=60)
+        finally:  # no client left waiting (a failed wait would hold the pool for minutes)
+            hang_up.set()
+            occupied.set()
     ended = {
         reason: _delta(after, before, reason + "_total")
         for reason in ("released_done", "aborted", "expired", "peer_lost")
@@ -268,7 +289,9 @@ def test_cancelled_requests_free_p_at_once_and_do_not_slow_the_next(
     slowest_before = max(a.total_s for a in fast)
     slowest_after = max(a.total_s for a in later)
     FIGURES.append(
-        f"5 cancelled ({moment}, {held_at_close:.0f} held at the hang-ups): P leases {ended}, "
+        f"5 cancelled ({moment}, {held_at_close:.0f} held at the hang-ups"
+        + (f", all claimed {claimed_s:.2f} s after they were sent" if moment == "queued" else "")
+        + f"): P leases {ended}, "
         f"held and granted gauges 0 {freed_s:.2f} s after the last hang-up; the next 4 "
         f"requests slowest {slowest_after:.2f} s (before the cancellations {slowest_before:.2f} s)"
     )
