@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvproto_transports.mooncake import mooncake_available, unavailable_reason
+from tests.transports.mooncake.mooncake_required import require_mooncake
 
 
 class Pair:
@@ -47,8 +47,7 @@ def make_pair() -> Iterator[Callable[[], Pair]]:
     made: list[Pair] = []
 
     def make() -> Pair:
-        if not mooncake_available():
-            pytest.skip(f"Mooncake: {unavailable_reason()}")
+        require_mooncake()
         made.append(Pair())
         return made[-1]
 

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
+from tests.transports.mooncake.mooncake_required import needs_mooncake
 
-from kvproto_transports.mooncake import mooncake_available, unavailable_reason
-
-pytestmark = pytest.mark.skipif(
-    not mooncake_available(), reason=f"Mooncake: {unavailable_reason()}"
-)
+pytestmark = needs_mooncake
 
 
 def test_measure_overhead_reports_rtt_and_read_time() -> None:

@@ -6,11 +6,11 @@ import pytest
 
 from kvproto_transports.conformance import pytest_cases
 from kvproto_transports.conformance.factory import TransportFactory
-from kvproto_transports.mooncake import mooncake_available, unavailable_reason
+from tests.transports.mooncake.mooncake_required import needs_mooncake
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not mooncake_available(), reason=f"Mooncake: {unavailable_reason()}"),
+    needs_mooncake,
 ]
 
 

@@ -7,11 +7,8 @@ from typing import TYPE_CHECKING
 import pytest
 
 from kvproto.transport import PeerLost, ReadCompleted, ReadFailed
-from kvproto_transports.mooncake import (
-    FAILURE_DETECTION_BOUND_S,
-    mooncake_available,
-    unavailable_reason,
-)
+from kvproto_transports.mooncake import FAILURE_DETECTION_BOUND_S
+from tests.transports.mooncake.mooncake_required import needs_mooncake
 from tests.transports.mooncake.node import block_pattern
 
 if TYPE_CHECKING:
@@ -19,9 +16,7 @@ if TYPE_CHECKING:
 
     from tests.transports.mooncake.conftest import Pair
 
-pytestmark = pytest.mark.skipif(
-    not mooncake_available(), reason=f"Mooncake: {unavailable_reason()}"
-)
+pytestmark = needs_mooncake
 
 
 def _warm(p: Pair) -> None:
