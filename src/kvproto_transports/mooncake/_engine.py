@@ -20,6 +20,12 @@ from .errors import MooncakeUnavailable
 INSTALL_HINT = "pip install 'kvproto[mooncake]'"
 """What to run when the engine is missing (the extra pins the wheel)."""
 
+LIBS_HINT = (
+    "the wheel's engine.so links libibverbs.so.1 (Debian: libibverbs1, with libnl-3-200 and "
+    "libnl-route-3-200), which is not on the library path"
+)
+"""What to say when the wheel is there but a library its engine links is not."""
+
 BAD_BATCH_IDS = frozenset({0, (1 << 64) - 1})
 """What ``batch_transfer_async_read`` returns when it could not submit: 0 (submit
 refused, or the segment could not be opened) or ``(uint64)-1``."""
@@ -31,10 +37,11 @@ def _try_import() -> tuple[Any, str]:
     try:
         engine = importlib.import_module("mooncake.engine")
     except Exception as exc:  # ImportError, or a native library that does not load (OSError)
-        return None, (
-            f"cannot import mooncake.engine ({type(exc).__name__}: {' '.join(str(exc).split())}); "
-            f"{INSTALL_HINT}"
-        )
+        text = " ".join(str(exc).split())
+        # The wheel installed but engine.so cannot find a system library: installing the
+        # extra again would not help.
+        hint = LIBS_HINT if "cannot open shared object file" in text else INSTALL_HINT
+        return None, f"cannot import mooncake.engine ({type(exc).__name__}: {text}); {hint}"
     return engine, ""
 
 
