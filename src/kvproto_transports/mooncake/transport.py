@@ -71,10 +71,20 @@ PROBE_MISSES = 2
 listener restarting; two, ``interval`` apart, are a dead engine)."""
 
 FAILURE_DETECTION_BOUND_S = 1.0
-"""Declared bound from a peer engine's death to PeerLost with probes on: two probe
-intervals plus the probes (measured 0.1-0.3 s from ``kill -9``). Not covered: a
-host that vanishes without refusing connections (the probe then waits for its
-connect timeout; the lease protocol's expiry covers it)."""
+"""Declared bound from a peer engine's death to PeerLost with probes at the default
+interval: two probe intervals plus the probes (measured 0.1-0.3 s from ``kill -9``).
+Not covered: a host that vanishes without refusing connections (the probe then waits
+for its connect timeout; the lease protocol's expiry covers it)."""
+
+PROBE_SLACK_S = FAILURE_DETECTION_BOUND_S - PROBE_MISSES * DEFAULT_PROBE_INTERVAL_S
+"""What the bound allows beyond the missed probes' intervals (the probes themselves, a
+loaded machine's scheduling): 0.8 s."""
+
+
+def detection_bound_s(probe_interval_s: float) -> float:
+    """The declared bound at ``probe_interval_s``: a longer interval (the vLLM adapter
+    probes every 0.25 s by default) delays the second missed probe by as much."""
+    return max(FAILURE_DETECTION_BOUND_S, PROBE_MISSES * probe_interval_s + PROBE_SLACK_S)
 
 NOTIFY_RETRY_S = 1.0
 """How long the read thread retries a read's notify against a full peer queue
@@ -131,7 +141,7 @@ class MooncakeTransport:
             may_duplicate=False,
             detects_peer_failure=probe_interval_s is not None,
             failure_detection_bound_s=(
-                FAILURE_DETECTION_BOUND_S if probe_interval_s is not None else None
+                None if probe_interval_s is None else detection_bound_s(probe_interval_s)
             ),
             one_sided_reads=True,  # the holder's engine serves them; no kvproto code runs there
             thread_affinity=ThreadAffinity.ANY,

@@ -22,7 +22,12 @@ from kvproto.transport import (
     TransportClosed,
 )
 from kvproto_transports.conformance.hostmem import HostMemory
-from kvproto_transports.mooncake import MooncakeTransport
+from kvproto_transports.mooncake import (
+    DEFAULT_PROBE_INTERVAL_S,
+    FAILURE_DETECTION_BOUND_S,
+    MooncakeTransport,
+)
+from kvproto_transports.mooncake.transport import detection_bound_s
 from kvproto_transports.mooncake.wire import WIRE_KIND, decode_frame, decode_metadata
 from tests.transports.mooncake.mooncake_required import needs_mooncake, require_mooncake
 
@@ -180,6 +185,14 @@ def test_a_lost_peer_is_unreachable_until_added_again() -> None:
         a.send(pb, b"x")
     finally:
         a.close()
+
+
+def test_the_declared_detection_bound_grows_with_the_probe_interval() -> None:
+    # Two missed probes make a peer lost: the second comes two intervals after the death.
+    assert detection_bound_s(DEFAULT_PROBE_INTERVAL_S) == FAILURE_DETECTION_BOUND_S
+    assert detection_bound_s(0.01) == FAILURE_DETECTION_BOUND_S
+    assert detection_bound_s(0.25) == pytest.approx(1.3)  # the vLLM adapter's default
+    assert detection_bound_s(1.0) == pytest.approx(2.8)
 
 
 HIDE = """
