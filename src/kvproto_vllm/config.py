@@ -27,7 +27,7 @@ IGNORED_STOCK_KEYS = frozenset({"num_threads", "engine_ttl"})
 
 _DEFAULT_DURATION = LeaseConfig().kv_lease_duration
 
-KV_TRANSPORTS = ("nixl", "ucx")
+KV_TRANSPORTS = ("nixl", "ucx", "mooncake")
 """Values of ``kv_transport``; the first is the default (stock NixlConnector's transport)."""
 
 DEFAULT_PROBE_INTERVAL_S = 0.25
@@ -44,10 +44,11 @@ class AdapterConfig:
     lease: LeaseConfig
     """Lease protocol settings, validated by the core."""
     kv_transport: str = KV_TRANSPORTS[0]
-    """Which transport moves the blocks and frames: ``"nixl"`` or ``"ucx"`` (ucxx). Both
-    engines of a pair must use the same one (it is part of the handshake compat hash)."""
+    """Which transport moves the blocks and frames: ``"nixl"``, ``"ucx"`` (ucxx) or
+    ``"mooncake"`` (Mooncake's transfer engine, notifications over ZMQ). Both engines of a
+    pair must use the same one (it is part of the handshake compat hash)."""
     backends: tuple[str, ...] = ("UCX",)
-    """NIXL backends (stock key ``backends``); unused with ``kv_transport: "ucx"``."""
+    """NIXL backends (stock key ``backends``); unused with another ``kv_transport``."""
     probe_interval_s: float | None = DEFAULT_PROBE_INTERVAL_S
     """How often the worker probes its transport peers so a dead peer surfaces as PeerLost
     (a holder then frees at once instead of at lease expiry); None disables probing.

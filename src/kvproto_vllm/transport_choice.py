@@ -1,12 +1,13 @@
 """The worker's transport, chosen by ``kv_transport`` in ``kv_connector_extra_config``.
 
 ``"nixl"`` (default) builds a :class:`~kvproto_transports.nixl.NixlTransport`,
-``"ucx"`` a :class:`~kvproto_transports.ucx.UcxTransport` (ucxx). Everything
-else -- lease keys, side channel (``VLLM_NIXL_SIDE_CHANNEL_HOST``/``PORT``,
-``kvproto_side_channel_port``), ``auth_secret``, ``probe_interval_s`` -- means
-the same with either: the worker only talks to the Transport protocol
-(:mod:`kvproto.transport`) and the side channel carries whichever transport's
-``metadata()``.
+``"ucx"`` a :class:`~kvproto_transports.ucx.UcxTransport` (ucxx), ``"mooncake"``
+a :class:`~kvproto_transports.mooncake.MooncakeTransport` (Mooncake's transfer
+engine over TCP, notifications over ZMQ). Everything else -- lease keys, side
+channel (``VLLM_NIXL_SIDE_CHANNEL_HOST``/``PORT``, ``kvproto_side_channel_port``),
+``auth_secret``, ``probe_interval_s`` -- means the same with each: the worker
+only talks to the Transport protocol (:mod:`kvproto.transport`) and the side
+channel carries whichever transport's ``metadata()``.
 
 Why a fixed table and not the ``kvproto.transports`` entry points: those
 name the conformance kit's factories (test endpoints over the kit's host
@@ -14,7 +15,8 @@ memory), and one of them is the in-process loopback, which cannot link two
 engines. The adapter needs production constructors fed from this config.
 
 Each transport is imported only when chosen: NIXL and ucxx each bundle their
-own libucx, so an engine running one never loads the other.
+own libucx (and NIXL its own libibverbs, where Mooncake's engine links the
+system's), so an engine running one never loads another.
 """
 
 from __future__ import annotations
@@ -83,9 +85,28 @@ def _ucx(cfg: AdapterConfig, name_prefix: str) -> ChosenTransport:
     return ChosenTransport(kind="ucx", transport=transport)
 
 
+def _mooncake(cfg: AdapterConfig, name_prefix: str) -> ChosenTransport:
+    from vllm import envs
+
+    from kvproto_transports.mooncake import MooncakeTransport
+
+    # Unlike NIXL and UCX (whose metadata carries a worker address), the transfer engine
+    # and the notification socket listen on a host name that goes into metadata() as is:
+    # the side channel's host, which the operator already set to where peers reach this
+    # engine (VLLM_NIXL_SIDE_CHANNEL_HOST). The prober runs on the transport's own thread
+    # (send_probe blocks); every method is callable from any thread.
+    transport = MooncakeTransport(
+        name_prefix=name_prefix,
+        host=envs.VLLM_NIXL_SIDE_CHANNEL_HOST,
+        probe_interval_s=cfg.probe_interval_s,
+    )
+    return ChosenTransport(kind="mooncake", transport=transport)
+
+
 BUILDERS: dict[str, Callable[[AdapterConfig, str], ChosenTransport]] = {
     "nixl": _nixl,
     "ucx": _ucx,
+    "mooncake": _mooncake,
 }
 """``kv_transport`` value -> constructor; keys equal :data:`.config.KV_TRANSPORTS`."""
 
