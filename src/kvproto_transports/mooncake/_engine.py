@@ -1,10 +1,10 @@
 """Lazy import of Mooncake's transfer engine, so that importing this package never needs it.
 
 ``mooncake.engine`` is a pybind11 module (``pip install
-mooncake-transfer-engine-non-cuda``; on Debian it also needs ``libibverbs1
-librdmacm1``). Its log level is set to errors before the first import
-(``MC_LOG_LEVEL=ERROR``) unless the environment already names one: at the
-default level the engine logs a line per completed batch. (``GLOG_minloglevel``
+mooncake-transfer-engine-non-cuda``; its ``engine.so`` also links
+``libibverbs.so.1``, Debian's ``libibverbs1``). Its log level is set to errors
+before the first import (``MC_LOG_LEVEL=ERROR``) unless the environment already
+names one: at the default level the engine logs a line per completed batch. (``GLOG_minloglevel``
 has no effect on this build.)
 """
 
