@@ -86,6 +86,7 @@ def detection_bound_s(probe_interval_s: float) -> float:
     probes every 0.25 s by default) delays the second missed probe by as much."""
     return max(FAILURE_DETECTION_BOUND_S, PROBE_MISSES * probe_interval_s + PROBE_SLACK_S)
 
+
 NOTIFY_RETRY_S = 1.0
 """How long the read thread retries a read's notify against a full peer queue
 before it reports the read failed (the done must never be dropped silently)."""
