@@ -1,4 +1,4 @@
-"""spec/state-tables.md is generated from src/kvproto/states.py and must never drift from it."""
+"""spec/state-tables.md is generated from kvproto/states.py and must never drift from it."""
 
 from __future__ import annotations
 

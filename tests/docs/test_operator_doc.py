@@ -9,6 +9,7 @@ imports vLLM at its top), so the test runs in any environment.
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = (ROOT / "spec" / "operator.md").read_text(encoding="utf-8")
 README = (ROOT / "README.md").read_text(encoding="utf-8")
-STATS = ROOT / "src" / "kvproto_vllm" / "stats.py"
+STATS = ROOT / "adapters" / "kvproto_vllm" / "stats.py"
 LOGGING_PACKAGES = ("kvproto_vllm", "kvproto_binding", "kvproto_transports")
 REFUSING_PACKAGE = "kvproto_vllm"
 REFUSALS = frozenset({"UnsupportedShape", "ConfigError"})
@@ -55,7 +56,9 @@ def _module_constant(path: Path, name: str) -> object:
 
 
 def _sources(package: str) -> Iterator[tuple[str, ast.Module]]:
-    for path in sorted((ROOT / "src" / package).rglob("*.py")):
+    spec = importlib.util.find_spec(package)  # where it is, without importing it
+    assert spec is not None and spec.origin is not None, package
+    for path in sorted(Path(spec.origin).parent.rglob("*.py")):
         yield str(path.relative_to(ROOT)), ast.parse(path.read_text(encoding="utf-8"))
 
 

@@ -111,8 +111,8 @@ def test_version_is_the_distributions() -> None:
     """One source of truth: the distribution's version is read from kvproto.__version__."""
     pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
     assert re.search(r'^dynamic = \["version"\]$', pyproject, re.MULTILINE)
-    assert '[tool.hatch.version]\npath = "src/kvproto/__init__.py"' in pyproject
-    init = (ROOT / "src" / "kvproto" / "__init__.py").read_text(encoding="utf-8")
+    assert '[tool.hatch.version]\npath = "kvproto/__init__.py"' in pyproject
+    init = (ROOT / "kvproto" / "__init__.py").read_text(encoding="utf-8")
     declared = re.search(r'^__version__ = "([^"]+)"$', init, re.MULTILINE)
     assert declared is not None
     proc = kvproto("--version")

@@ -1,6 +1,6 @@
 """The measurement loop the NIXL and UCX benches share: what it runs and the shape it reports.
 
-The bench table reads these keys (``src/kvproto_tools/bench/transport_bench.py``),
+The bench table reads these keys (``tools/kvproto_tools/bench/transport_bench.py``),
 so their names, order and definitions are pinned here without any transport.
 """
 
