@@ -45,7 +45,7 @@ from kvproto.holder_book import LeaseBook
 from kvproto.holder_claims import Claims
 from kvproto.holder_dones import Dones
 from kvproto.holder_legacy import handle_legacy
-from kvproto.holder_peers import PeerSessions
+from kvproto.holder_peers import PeerSessions, authentic
 from kvproto.states import LeaseInput, LeaseState, lease_next
 from kvproto.stats import HolderStats, counts_of
 from kvproto.ticket import LeaseMint, LeaseTicket, ticket_problem
@@ -96,12 +96,8 @@ class Holder:
             entropy=entropy,
         )
         self._sessions = self._peers.by_peer
-        claims = Claims(book)
-        # The frame handlers, bound once: handle_frame dispatches every frame to one.
-        self._authentic = self._peers.authentic
-        self._on_hello = self._peers.on_hello
-        self._on_heartbeat = claims.on_heartbeat
-        self._on_done = Dones(book, claims).on_done
+        self._claims = Claims(book)
+        self._dones = Dones(book, self._claims)
 
     # ------------------------------------------------------------------ API
 
@@ -177,7 +173,7 @@ class Holder:
             self.stats.oversize += 1
             return
         session = self._sessions.get(peer)
-        if session is not None and self._authentic(session, data):
+        if session is not None and authentic(session, data):
             if not session.bucket.take(now):
                 self.stats.rate_limited += 1
                 return
@@ -185,9 +181,9 @@ class Holder:
             if msg is None:
                 return
             if isinstance(msg, wire.Heartbeat):
-                self._on_heartbeat(now, session, msg)
+                self._claims.on_heartbeat(now, session, msg)
             elif isinstance(msg, wire.Done):
-                self._on_done(now, session, msg.claim)
+                self._dones.on_done(now, session, msg.claim)
             else:
                 self.stats.unexpected_frames += 1
             return
@@ -205,7 +201,7 @@ class Holder:
             if secret is not None and not wire.verify(secret, data):
                 self.stats.bad_mac += 1
                 return
-            self._on_hello(now, peer, msg)
+            self._peers.on_hello(now, peer, msg)
         elif not isinstance(msg, (wire.Heartbeat, wire.Done)):
             self.stats.unexpected_frames += 1
         elif session is None:

@@ -36,6 +36,8 @@ _CLAIM_ROW = NEXT_STATE[_IN_CLAIM._value_]
 class Claims:
     """Applies a session's heartbeats. See the module docstring."""
 
+    __slots__ = ("_ack_room", "_book", "_config", "_extension", "_stats")
+
     def __init__(self, book: LeaseBook) -> None:
         self._book = book
         self._stats = book.stats
@@ -88,14 +90,13 @@ class Claims:
         resync: bool,
     ) -> None:
         # held first, then lost, as one list cut to the frame budget.
-        send = self._book.send_session
+        book = self._book
         room = self._ack_room
         n_held = len(held)
         if n_held + len(lost) <= room:
             # All in one ack (every steady heartbeat's): the loop below, without the cuts.
-            send(
-                session, wire.HeartbeatAck(seq=seq, clock=now, held=held, lost=lost, resync=resync)
-            )
+            ack = wire.HeartbeatAck(seq=seq, clock=now, held=held, lost=lost, resync=resync)
+            book.send_session(session, ack)
             return
         for part in wire.frame_slices(n_held + len(lost), room):
             start, stop = part.start - n_held, part.stop - n_held
@@ -106,7 +107,7 @@ class Claims:
                 lost=lost[max(0, start) : max(0, stop)],
                 resync=resync,
             )
-            send(session, ack)
+            book.send_session(session, ack)
 
     def _claim_all(
         self, now: float, session: PeerSession, claims: list[wire.Claim], lost: list[int]

@@ -33,6 +33,8 @@ _VERDICT_REFUSED = DoneVerdict.REFUSED
 class Dones:
     """Answers a session's dones. See the module docstring."""
 
+    __slots__ = ("_book", "_claims", "_stats")
+
     def __init__(self, book: LeaseBook, claims: Claims) -> None:
         self._book = book
         self._stats = book.stats

@@ -30,8 +30,29 @@ from kvproto.transport import PeerId
 from kvproto.wire import RejectReason
 
 
+def authentic(session: PeerSession, data: bytes) -> bool:
+    """Signed with the session's reader key (or the one before the last re-key)."""
+    if wire.verify(session.up, data):
+        return True
+    return bool(session.prev_up) and wire.verify(session.prev_up, data)
+
+
 class PeerSessions:
     """The holder's sessions by peer, and the rate limits of peers without one."""
+
+    __slots__ = (
+        "_book",
+        "_buckets",
+        "_config",
+        "_engine",
+        "_entropy",
+        "_incarnation",
+        "_rank",
+        "_serial",
+        "_stats",
+        "_tp_size",
+        "by_peer",
+    )
 
     def __init__(
         self,
@@ -54,13 +75,6 @@ class PeerSessions:
         self.by_peer: dict[PeerId, PeerSession] = {}
         self._serial = 0
         self._buckets: OrderedDict[PeerId, TokenBucket] = OrderedDict()
-
-    @staticmethod
-    def authentic(session: PeerSession, data: bytes) -> bool:
-        """Signed with the session's reader key (or the one before the last re-key)."""
-        if wire.verify(session.up, data):
-            return True
-        return bool(session.prev_up) and wire.verify(session.prev_up, data)
 
     def bucket(self, peer: PeerId, now: float) -> TokenBucket:
         """The rate limit of frames under ``peer``'s name that no session key signs."""
