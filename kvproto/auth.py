@@ -132,39 +132,22 @@ def refusal_key(token: bytes, nonce: bytes, secret: bytes | None) -> bytes:
 _VERDICT_DOMAIN = b"kvproto-verdict\x00"
 
 
-def verdict_proof(
-    token: bytes, *, lease: int, verdict: int, reader_engine: str, reader_rank: int
-) -> bytes:
-    """Per-lease proof on a DoneAck: only the lease's token can vouch for a read.
-
-    The session MAC already authenticates the ack; this binds the verdict to
-    the lease itself, so a session key learnt from one stolen anchor ticket
-    still cannot make a reader trust a read of any other lease.
-    """
-    data = b"".join(
-        (
-            _VERDICT_DOMAIN,
-            reader_engine.encode(),
-            b"\x00",
-            _u64(reader_rank),
-            _u64(lease),
-            _u64(verdict),
-        )
-    )
-    return hashlib.blake2b(data, key=token, digest_size=PROOF_BYTES).digest()
-
-
 def verdict_prover(
     reader_engine: str, reader_rank: int
 ) -> Callable[[bytes | bytearray, int, int], bytes]:
-    """:func:`verdict_proof` for one reader rank: ``prove(token, lease, verdict)``.
+    """The verdict proof for one reader rank: ``prove(token, lease, verdict)``.
 
-    For the holder, which answers each of a session's dones: the engine and rank
-    part of the message is packed once a session, and each message is then one C
-    call (a struct pack of that part, the lease and the verdict), where
-    :func:`verdict_proof` encodes and joins six parts a proof. The message is the
-    same (tests/core/test_holder_proofs.py holds the proofs equal); lease ids and
-    verdicts are uint64s.
+    The per-lease proof on a DoneAck: only the lease's token can vouch for a
+    read. The session MAC already authenticates the ack; this binds the verdict
+    to the lease itself, so a session key learnt from one stolen anchor ticket
+    still cannot make a reader trust a read of any other lease.
+
+    The message is ``"kvproto-verdict\\0" || reader_engine || "\\0" ||
+    u64(reader_rank) || u64(lease) || u64(verdict)`` (big-endian), hashed with
+    BLAKE2b-128 keyed by the token. The holder proves and the reader checks with
+    the prover of the reader's engine and rank, made once: its engine and rank
+    part is packed once, and each message is one C call (a struct pack of that
+    part, the lease and the verdict).
     """
     head = _VERDICT_DOMAIN + reader_engine.encode() + b"\x00" + _u64(reader_rank)
     message = functools.partial(struct.Struct(f">{len(head)}sQQ").pack, head)
@@ -174,3 +157,10 @@ def verdict_prover(
         return blake2b(message(lease, verdict), key=token, digest_size=PROOF_BYTES).digest()
 
     return prove
+
+
+def verdict_proof(
+    token: bytes, *, lease: int, verdict: int, reader_engine: str, reader_rank: int
+) -> bytes:
+    """One verdict proof (:func:`verdict_prover`'s), for a caller proving just one."""
+    return verdict_prover(reader_engine, reader_rank)(token, lease, verdict)

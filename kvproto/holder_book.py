@@ -20,6 +20,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
+from collections.abc import Iterable
 
 from kvproto import auth, wire
 from kvproto.config import LeaseConfig
@@ -165,25 +166,33 @@ class LeaseBook:
         self.stats.grants += 1
         self.schedule_lease(slot)
 
-    def transition(self, slot: int, event: LeaseInput) -> None:
-        """Move the lease by the lease table's row for ``event``; raise if it has none."""
+    def transition(self, slots: Iterable[int], event: LeaseInput) -> None:
+        """``event`` to each lease of ``slots``, in order: the lease table's row decides
+        each next state (raising where it has none), the gauges follow. The one place a
+        lease's state is written; the claim path hands it a frame's claims at once."""
         states = self.leases.states
-        old = states[slot]
-        new = NEXT_STATE[event._value_][old]
-        if new == NO_ROW:
-            lease_next(STATES[old], event)  # raises: the lease table has no such row
-        if new != old:
-            if old == GRANTED:
-                self.granted -= 1
-            else:
-                self.held -= 1
-            if new == HELD:
-                self.held += 1
-            states[slot] = new
+        row = NEXT_STATE[event._value_]
+        granted, held = self.granted, self.held  # in locals: the claim path's loop
+        try:
+            for slot in slots:
+                old = states[slot]
+                new = row[old]
+                if new != old:
+                    if new == NO_ROW:
+                        lease_next(STATES[old], event)  # raises: the lease table has no such row
+                    if old == GRANTED:
+                        granted -= 1
+                    else:
+                        held -= 1
+                    if new == HELD:
+                        held += 1
+                    states[slot] = new
+        finally:
+            self.granted, self.held = granted, held
 
     def end(self, now: float, slot: int, event: LeaseInput, reason: ReleaseReason) -> None:
         """End the lease by ``event``: its sessions let go, the binding frees its blocks."""
-        self.transition(slot, event)
+        self.transition((slot,), event)
         members = self.leases.members
         if members.holder[slot] != NOBODY:
             for serial in members.holders(slot):

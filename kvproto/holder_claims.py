@@ -1,13 +1,15 @@
 """The holder's heartbeat path: a session's renewal, its claims, aborts and resyncs, the ack.
 
 Every heartbeat renews its session (O(1)); the claims it carries are the one
-per-lease cost of getting a lease into a session, so :meth:`Claims.check` and
-the claim loop of :meth:`Claims.on_heartbeat` keep the columns of the
-:class:`~kvproto.holder_leases.LeaseTable` in locals and do inline what the
-table's methods do (the lookup, the owner, the proof). A claim proves the
-lease's token: ``claim_proof(token, engine, lease)``
-(:func:`kvproto.ticket.claim_proof`), with the engine part of its message
-packed once a session (:attr:`~kvproto.holder_book.PeerSession.claim_message`).
+per-lease cost of getting a lease into a session, so :meth:`Claims.check`
+keeps the columns of the :class:`~kvproto.holder_leases.LeaseTable` in locals
+and does inline what the table's :meth:`~kvproto.holder_leases.LeaseTable.slot`
+and :meth:`~kvproto.holder_leases.LeaseTable.owner` and the claim prover
+(:func:`kvproto.ticket.claim_prover`, its message's engine part packed once a
+session) do. That is the one fast path with a twin here: tests/core/test_proofs.py
+holds it to a reference written with those methods, on random tables and frames.
+The claimed leases then move through :meth:`~kvproto.holder_book.LeaseBook.transition`,
+the lease table's rows, like every other lease.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from kvproto import wire
 from kvproto.events import ReleaseReason
 from kvproto.holder_book import NEVER_RENEWED, LeaseBook, PeerSession
 from kvproto.holder_claimers import UNCLAIMED
-from kvproto.holder_leases import GRANTED, HELD, NEXT_STATE, TERMINAL
+from kvproto.holder_leases import TERMINAL
 from kvproto.states import LeaseInput, lease_next
 from kvproto.ticket import PROOF_BYTES, TOKEN_BYTES
 
@@ -28,9 +30,6 @@ from kvproto.ticket import PROOF_BYTES, TOKEN_BYTES
 _IN_CLAIM = LeaseInput.CLAIM
 _IN_ABORT = LeaseInput.ABORT
 _FREED_ABORTED = ReleaseReason.ABORTED
-
-_CLAIM_ROW = NEXT_STATE[_IN_CLAIM._value_]
-"""The CLAIM input's row of :data:`~kvproto.holder_leases.NEXT_STATE`."""
 
 
 class Claims:
@@ -122,7 +121,7 @@ class Claims:
         book = self._book
         table = book.leases
         states, own, hard = table.states, table.own, table.hard
-        terminal, row, held_state, granted = TERMINAL, _CLAIM_ROW, HELD, GRANTED
+        terminal = TERMINAL
         members = table.members
         holder_col = members.holder
         attach = members.attach
@@ -131,8 +130,7 @@ class Claims:
         deadline = session.deadline
         cap = self._config.max_leases_per_session
         held: list[tuple[int, float]] = []
-        attached = False
-        promoted = 0
+        claimed: list[int] = []
         for claim, slot in zip(claims, self.check(session, claims), strict=True):
             lease = claim.lease
             if slot is None or terminal[states[slot]]:
@@ -142,16 +140,8 @@ class Claims:
                 self._stats.limit_refusals += 1
                 lost.append(lease)
                 continue
-            # A claim of a lease the session renews already is the (HELD, CLAIM) row: no change.
-            old = states[slot]
-            new = row[old]
-            if new == held_state and old == granted:
-                states[slot] = new  # the table's row; the gauges move once, after the loop
-                promoted += 1
-            elif new != old:
-                book.transition(slot, _IN_CLAIM)
+            claimed.append(slot)
             attach(slot, leases, lease)
-            attached = True
             # Just attached: renewed by this session alone unless others renew it too.
             # max and min as expressions (a call to either costs more than the claim's
             # other arithmetic); each column read once, as a read boxes a new float.
@@ -162,9 +152,10 @@ class Claims:
                 until = book.live_until(slot)
             stop = hard[slot]
             held.append((lease, (stop if stop < until else until) - now))
-        book.granted -= promoted
-        book.held += promoted
-        if attached and session.heap_due is None and deadline != NEVER_RENEWED:
+        # The claims move their leases once the loop is done: nothing in it reads a
+        # state the CLAIM row changes (it never ends a lease).
+        book.transition(claimed, _IN_CLAIM)
+        if claimed and session.heap_due is None and deadline != NEVER_RENEWED:
             book.schedule_session(session)
         return held
 
@@ -201,7 +192,7 @@ class Claims:
                 stats.owner_mismatch += 1
                 slots.append(None)
                 continue
-            # claim_proof(token, engine, lease), the token sliced from its column
+            # claim_prover(engine)(token, lease), the token sliced from its column
             start = slot * width
             token = tokens[start : start + width]
             proof = blake2b(message(lease), key=token, digest_size=PROOF_BYTES).digest()

@@ -5,7 +5,7 @@ What it is to its lease (:meth:`Dones._done_input`: a done, the last expected
 one, a duplicate, one of another TP layout) is an input of the lease table;
 the verdict comes from the same table (:func:`kvproto.states.done_verdict`).
 Only a HELD verdict vouches for the read, so only it carries a proof
-(:func:`kvproto.auth.verdict_proof`, packed once a session as
+(:func:`kvproto.auth.verdict_prover`, made once a session as
 :attr:`~kvproto.holder_book.PeerSession.verdict_prover`).
 """
 
@@ -93,11 +93,11 @@ class Dones:
             return verdict
         else:
             self._count_consumer(session, slot)
-            book.transition(slot, event)
+            book.transition((slot,), event)
             if book.leases.members.holds(slot, session.serial):
                 book.detach(slot, session)
             return verdict
-        book.transition(slot, event)  # a "stay" row
+        book.transition((slot,), event)  # a "stay" row
         return verdict
 
     def _count_consumer(self, session: PeerSession, slot: int) -> None:

@@ -49,7 +49,7 @@ def handle_legacy(book: LeaseBook, now: float, peer: PeerId, data: bytes) -> Non
             continue
         if claimed_by is None:
             table.set_claimer(slot, owner)
-            book.transition(slot, LeaseInput.CLAIM)
+            book.transition((slot,), LeaseInput.CLAIM)
         if isinstance(frame, legacy.LegacyHeartbeat):
             # Stock peers renew per lease; there is no session to renew.
             table.own[slot] = max(table.own[slot], now + config.lease_extension)
@@ -60,4 +60,4 @@ def handle_legacy(book: LeaseBook, now: float, peer: PeerId, data: bytes) -> Non
         if done >= frame.expected:
             book.end(now, slot, LeaseInput.LAST_DONE, ReleaseReason.DONE)
         else:
-            book.transition(slot, LeaseInput.DONE)
+            book.transition((slot,), LeaseInput.DONE)

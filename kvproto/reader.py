@@ -28,7 +28,7 @@ import math
 import secrets
 from collections.abc import Callable
 
-from kvproto import bounds, wire
+from kvproto import auth, bounds, wire
 from kvproto.clock import SkewEstimator, SkewSample
 from kvproto.config import LeaseConfig
 from kvproto.errors import LocalProtocolError
@@ -153,6 +153,7 @@ class Reader:
         """How many such leases there are: while none, no path looks for one."""
         """Holder engine → lease id → request id (each engine's sessions share its dict)."""
         self._prove = claim_prover(engine)
+        self._prove_verdict = auth.verdict_prover(engine, rank)
         """The claim proof of a ticket, with this reader's engine in it prepared once."""
         self._deferrals = Deferrals(self._requests, self._sessions, config.ack_timeout)
         self._wake = _UNKNOWN
@@ -219,9 +220,8 @@ class Reader:
             now, req, first, sessions
         ):
             return  # another request reads this ticket: one claim and heartbeat serve both
-        # What _attach and Beats.hold do, flattened: every request takes this path, and
-        # each call was ~0.5k instructions of it. The route's sessions are all of the
-        # ticket's engine and share its index: one entry serves them.
+        # The route's sessions are all of the ticket's engine and share its lease index:
+        # one entry serves them.
         if restarted is None or len(restarted) < len(sessions):
             sessions[0].by_lease[lease] = request_id
         for session in sessions:
@@ -231,9 +231,7 @@ class Reader:
                 state = session.state
             if restarted is not None and session in restarted:
                 continue
-            beats = session.beats
-            beats.leases.add(lease, request_id)
-            beats.pending_claims[lease] = proof
+            session.beats.hold(lease, request_id, proof)
             if state is _OPEN:
                 # The claim leaves at the binding's next pump, not at the next tick:
                 # until the holder has it the lease is not tied to this reader, so the
@@ -554,7 +552,7 @@ class Reader:
         if req is None or part is None:
             self.stats.unexpected_frames += 1
             return
-        verdict = verdict_of(msg, req, engine=self.engine, rank=self.rank)
+        verdict = verdict_of(msg, req, self._prove_verdict)
         if verdict is None:
             self.stats.bad_mac += 1
             return

@@ -19,7 +19,7 @@ import hmac
 import math
 from collections.abc import Callable, Mapping
 
-from kvproto import auth, wire
+from kvproto import wire
 from kvproto.config import LeaseConfig
 from kvproto.events import SendFrame
 from kvproto.reader_requests import Part, Request, SessionKey
@@ -36,23 +36,18 @@ def done_frame(req: Request, key: bytes) -> bytes:
 
 
 def verdict_of(
-    msg: wire.DoneAck, req: Request, *, engine: str, rank: int
+    msg: wire.DoneAck, req: Request, prove: Callable[[bytes, int, int], bytes]
 ) -> wire.DoneVerdict | None:
     """The verdict ``msg`` gives ``req``'s done; None if it claims HELD without the lease's proof.
 
-    A verdict value this version does not know vouches for nothing: it reads as
-    REFUSED. Only the lease's token vouches for a read, not even a session key
-    (learnt from another, stolen, ticket) can make the reader trust one.
+    ``prove``: the reader rank's :func:`~kvproto.auth.verdict_prover`. A verdict
+    value this version does not know vouches for nothing: it reads as REFUSED.
+    Only the lease's token vouches for a read, not even a session key (learnt
+    from another, stolen, ticket) can make the reader trust one.
     """
     verdict = _VERDICTS.get(msg.verdict, _REFUSED)
     if verdict is _HELD:
-        proof = auth.verdict_proof(
-            req.ticket.token,
-            lease=msg.lease,
-            verdict=msg.verdict,
-            reader_engine=engine,
-            reader_rank=rank,
-        )
+        proof = prove(req.ticket.token, msg.lease, msg.verdict)
         if not hmac.compare_digest(proof, msg.proof):
             return None
     return verdict

@@ -127,32 +127,27 @@ def ticket_problem(ticket: LeaseTicket) -> str | None:
 _CLAIM_DOMAIN = b"kvproto-claim\x00"
 
 
-def claim_proof(token: bytes, reader_engine: str, lease: int) -> bytes:
-    """Keyed hash proving knowledge of ``token``, bound to the claiming engine and lease."""
-    data = _CLAIM_DOMAIN + reader_engine.encode() + b"\x00" + lease.to_bytes(8, "big")
-    return hashlib.blake2b(data, key=token, digest_size=PROOF_BYTES).digest()
-
-
 def claim_message(reader_engine: str) -> Callable[[int], bytes]:
-    """What :func:`claim_proof` hashes for one claiming engine: ``message(lease)``.
+    """What a claim proof hashes for one claiming engine: ``message(lease)``.
 
-    The engine's part is packed once; each lease's message is then one C call
-    (a struct pack of that part and the lease), not a method call and a
-    concatenation. The holder checks a frame of claims from one session in one
-    loop and hashes each message under its lease's token there; a reader's
-    :func:`claim_prover` hashes it as well.
+    ``"kvproto-claim\\0" || reader_engine || "\\0" || u64(lease)`` (big-endian).
+    The engine's part is packed once; each lease's message is then one C call (a
+    struct pack of that part and the lease), not a method call and a
+    concatenation.
     """
     head = _CLAIM_DOMAIN + reader_engine.encode() + b"\x00"
     return functools.partial(struct.Struct(f">{len(head)}sQ").pack, head)
 
 
 def claim_prover(reader_engine: str) -> Callable[[bytes | bytearray, int], bytes]:
-    """:func:`claim_proof` for one claiming engine: ``prove(token, lease)``.
+    """The claim proof for one claiming engine: ``prove(token, lease)``.
 
-    For a reader proving each ticket it tracks: the message is
-    :func:`claim_message`'s, its engine part packed once. It is the same as
-    :func:`claim_proof`'s (domain, engine, lease), and every claim a reader sends
-    to a holder checks one against the other.
+    A keyed hash proving knowledge of the lease's token, bound to the claiming
+    engine and the lease: BLAKE2b-128 of :func:`claim_message` keyed by the
+    token. A reader proves each ticket it tracks with its engine's prover, made
+    once. The holder checks a frame's claims in one loop
+    (:meth:`kvproto.holder_claims.Claims.check`) that hashes the same message
+    inline; tests/core/test_claim_check.py holds the two equal.
     """
     message = claim_message(reader_engine)
     blake2b = hashlib.blake2b
@@ -161,6 +156,11 @@ def claim_prover(reader_engine: str) -> Callable[[bytes | bytearray, int], bytes
         return blake2b(message(lease), key=token, digest_size=PROOF_BYTES).digest()
 
     return prove
+
+
+def claim_proof(token: bytes, reader_engine: str, lease: int) -> bytes:
+    """One claim proof (:func:`claim_prover`'s), for a caller proving just one."""
+    return claim_prover(reader_engine)(token, lease)
 
 
 class LeaseMint:
