@@ -179,7 +179,7 @@ def test_a_crashed_engine_reports_its_peers_lost_and_refuses_calls(
     def boom() -> None:
         raise RuntimeError("injected fault")
 
-    a._engine._receive = boom  # type: ignore[method-assign]  # its next loop dies
+    a._engine._steps._receive = boom  # type: ignore[method-assign]  # its next step dies
     got = _until(a, lambda evs: any(isinstance(e, PeerLost) for e in evs))
     assert [e.peer for e in got if isinstance(e, PeerLost)] == [pb]
     with pytest.raises(TransportClosed, match="engine crashed"):
