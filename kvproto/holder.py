@@ -35,12 +35,12 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 from kvproto import wire
 from kvproto.config import LeaseConfig
 from kvproto.errors import LocalProtocolError, RemoteProtocolError
-from kvproto.events import FreeBlocks, HolderOutput, ReleaseReason
+from kvproto.events import HolderOutput, ReleaseReason
 from kvproto.holder_book import LeaseBook
 from kvproto.holder_claims import Claims
 from kvproto.holder_dones import Dones
@@ -306,8 +306,3 @@ class Holder:
         snap[prefix + "sessions"] = len(self._sessions)
         snap[prefix + "tombstones"] = len(self._tombstones)
         return snap
-
-
-def ended(outputs: Iterable[HolderOutput]) -> list[FreeBlocks]:
-    """The FreeBlocks among a drain's outputs (a convenience for bindings and tests)."""
-    return [o for o in outputs if isinstance(o, FreeBlocks)]

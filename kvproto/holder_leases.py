@@ -264,10 +264,6 @@ class LeaseTable:
         """The lease ended (its blocks were freed)."""
         return bool(TERMINAL[self.states[slot]])
 
-    def set_state(self, slot: int, state: LeaseState) -> None:
-        """Record a transition the lease table decided."""
-        self.states[slot] = STATE_INDEX[state]
-
     def request_id(self, slot: int) -> str:
         """The holder's request id (``""`` when none)."""
         return self.requests.name(slot)

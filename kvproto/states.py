@@ -46,7 +46,7 @@ missing from a table is a bug in the caller and raises
 :class:`~kvproto.errors.LocalProtocolError`; remote input that is not allowed
 in a state has an explicit row (usually "stay, and answer late").
 spec/state-tables.md and its diagrams are generated from these tables by
-``python -m kvproto.diagrams``.
+``python -m tests.docs.state_tables``.
 """
 
 from __future__ import annotations

@@ -459,8 +459,3 @@ def id_hash(lease: int) -> int:
 def digest(ids: Iterable[int]) -> int:
     """Order-independent, incrementally updatable digest of a lease-id set."""
     return sum(id_hash(i) for i in ids) & MAX_U64
-
-
-def encoded_size(msg: Message, authenticated: bool) -> int:
-    """Bytes :func:`encode` would produce."""
-    return HEADER_LEN + len(_encoder.encode(msg)) + (MAC_LEN if authenticated else 0)

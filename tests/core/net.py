@@ -6,7 +6,8 @@ time exact:
 
 * any number of holder and reader ranks (heterogeneous TP);
 * one *true* clock and a per-node clock offset (a holder at +3600 s);
-* per-link latency and seeded faults (drop, duplicate, reorder by extra delay);
+* per-link latency and seeded faults (drop, duplicate, jitter, reorder), the
+  loopback network's own (:class:`~kvproto_transports.loopback.Links`);
 * reads that take time: the done frame reaches the holder when the transfer
   ends, as a NIXL ``notif_msg`` does;
 * paused nodes (a long forward pass: nothing is polled until it resumes) and
@@ -21,7 +22,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -40,22 +40,9 @@ from kvproto.events import (
 from kvproto.holder import Holder
 from kvproto.reader import Reader
 from kvproto.ticket import LeaseTicket
+from kvproto_transports.loopback import LinkFaults, Links
 
 from .pair import counter_entropy
-
-
-@dataclass
-class LinkFaults:
-    """Faults applied to every frame on one directed link."""
-
-    drop: float = 0.0
-    """Probability a frame is lost."""
-    dup: float = 0.0
-    """Probability a frame is delivered twice."""
-    jitter: float = 0.0
-    """Extra delay drawn uniformly from [0, jitter] per copy (reorders frames)."""
-    latency: float = 0.0
-    """Fixed one-way delay, seconds."""
 
 
 @dataclass
@@ -101,10 +88,9 @@ class Net:
     def __init__(self, config: LeaseConfig | None = None, *, seed: int = 0) -> None:
         self.config = config or LeaseConfig()
         self.now = 0.0
-        self.rng = random.Random(seed)
         self.nodes: dict[str, Node] = {}
-        self.faults: dict[tuple[str, str], LinkFaults] = {}
-        self.default_faults = LinkFaults()
+        self.links = Links(seed)
+        """Every link's faults (``links.default`` for those not set), dice and order."""
         self.auto_connect = True
         self.connect_delay = 0.0
         self._events: list[tuple[float, int, Callable[[], None]]] = []
@@ -168,6 +154,10 @@ class Net:
         )
         self.nodes[name] = Node(name, reader, offset)
         return reader
+
+    def set_link(self, src: str, dst: str, faults: LinkFaults) -> None:
+        """Set the faults of the directed link ``src -> dst``."""
+        self.links.set((src, dst), faults)
 
     def holder(self, name: str) -> Holder:
         core = self.nodes[name].core
@@ -354,16 +344,12 @@ class Net:
         self.sent.append((self.now, src, dst, payload))
         if self.frame_filter is not None and not self.frame_filter(src, dst, payload):
             return
-        faults = self.faults.get((src, dst), self.default_faults)
-        if faults.drop and self.rng.random() < faults.drop:
+        passage = self.links.passage(self.now, (src, dst), (src, dst))
+        if passage is None:
             return
-        copies = 2 if faults.dup and self.rng.random() < faults.dup else 1
+        when, _, copies = passage
         for _ in range(copies):
-            delay = faults.latency + (self.rng.uniform(0, faults.jitter) if faults.jitter else 0)
-            self.at(
-                self.now + delay,
-                lambda sent=self.now: self._arrive(src, dst, payload, sent),
-            )
+            self.at(when, lambda sent=self.now: self._arrive(src, dst, payload, sent))
 
     def _arrive(self, src: str, dst: str, payload: bytes, sent: float) -> None:
         node = self.nodes.get(dst)

@@ -21,8 +21,9 @@ from kvproto.events import ReadGo, SendFrame
 from kvproto.holder import Holder
 from kvproto.states import LeaseState, ReadState
 from kvproto.ticket import LeaseTicket, claim_proof
+from kvproto_transports.loopback import LinkFaults
 
-from .net import LinkFaults, Net
+from .net import Net
 from .rawsession import open_session
 
 DURATION = LeaseConfig().kv_lease_duration
@@ -209,7 +210,7 @@ def tp2_readers(*, d1_latency: float = 0.0) -> tuple[Net, LeaseTicket]:
     net.add_holder("P0")
     net.add_reader("D0", rank=0, tp_size=2)
     net.add_reader("D1", rank=1, tp_size=2)
-    net.faults[("D1", "P0")] = LinkFaults(latency=d1_latency)
+    net.set_link("D1", "P0", LinkFaults(delay=d1_latency))
     net.frame_filter = drop_claims_from("D0")
     ticket = net.grant("P0", "p-r")
     net.track("D0", "r", ticket)

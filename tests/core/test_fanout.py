@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 from kvproto import wire
 from kvproto.events import ReadDeclined, ReadGo
 from kvproto.states import LeaseState, ReadState
+from kvproto_transports.loopback import LinkFaults
 
-from .net import LinkFaults, Net
+from .net import Net
 
 
 def pair() -> Net:
@@ -208,11 +209,11 @@ def test_a_late_verdict_fences_every_sibling() -> None:
     net = pair()
     lease = track_two(net)
     net.run_until(1.0)
-    net.faults[("D0", "P0")] = LinkFaults(drop=1.0)  # no heartbeat reaches P from now on
+    net.set_link("D0", "P0", LinkFaults(drop=1.0))  # no heartbeat reaches P from now on
     net.start_read("D0", "c0", duration=29.0)
     net.start_read("D0", "c1", duration=29.5)  # lands after the lease lapsed (at 30)
     net.run_until(30.2)
-    net.faults[("D0", "P0")] = LinkFaults()
+    net.set_link("D0", "P0", LinkFaults())
     net.run_until(60.0)
     assert (30.0, lease, "EXPIRED") in net.freed_leases()
     assert net.confirmed == []
@@ -241,9 +242,9 @@ def test_property_siblings_never_trust_a_read_overlapping_a_free(
     net.add_holder("P0")
     net.add_reader("D0")
     if lossy:
-        faults = LinkFaults(drop=0.1, dup=0.1, jitter=0.05)
-        net.faults[("D0", "P0")] = faults
-        net.faults[("P0", "D0")] = faults
+        faults = LinkFaults(drop=0.1, duplicate=0.1, reorder=0.1, reorder_window=0.05, jitter=0.05)
+        net.set_link("D0", "P0", faults)
+        net.set_link("P0", "D0", faults)
     ticket = net.grant("P0", "p-r")
     ids = [f"c{i}" for i in range(n)]
     for rid in ids:

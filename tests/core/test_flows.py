@@ -11,8 +11,9 @@ from kvproto.errors import LocalProtocolError
 from kvproto.events import FailReason, ReadDeclined, ReadDeferred, ReadGo
 from kvproto.holder import Holder
 from kvproto.states import LeaseState, ReadState, SessionState
+from kvproto_transports.loopback import LinkFaults
 
-from .net import LinkFaults, Net
+from .net import Net
 
 DURATION, INTERVAL, EXTENSION = 30.0, 5.0, 20.0
 
@@ -21,7 +22,7 @@ def one_pair(config: LeaseConfig | None = None, *, latency: float = 0.0) -> Net:
     net = Net(config)
     net.add_holder("P0")
     net.add_reader("D0")
-    net.default_faults = LinkFaults(latency=latency)
+    net.links.default = LinkFaults(delay=latency)
     return net
 
 
@@ -264,7 +265,9 @@ def test_random_drop_dup_reorder_never_overlaps_silently(seed: int) -> None:
     net = Net(seed=seed)
     net.add_holder("P0")
     net.add_reader("D0")
-    net.default_faults = LinkFaults(drop=0.2, dup=0.2, jitter=3.0, latency=0.1)
+    net.links.default = LinkFaults(
+        drop=0.2, duplicate=0.2, reorder=0.2, reorder_window=3.0, jitter=3.0, delay=0.1
+    )
     leases = {}
     for i in range(6):
         net.run_until(i * 2.0)

@@ -13,8 +13,9 @@ from kvproto.events import FreeBlocks, SendFrame
 from kvproto.holder import Holder
 from kvproto.states import LeaseState, SessionState
 from kvproto.ticket import LeaseTicket, claim_proof
+from kvproto_transports.loopback import LinkFaults
 
-from .net import LinkFaults, Net
+from .net import Net
 
 SECRET = b"s" * 32
 
@@ -387,7 +388,7 @@ def test_duplicated_hello_keeps_the_session_key() -> None:
     net = Net(LeaseConfig(auth_secret=SECRET))
     net.add_holder("P0")
     net.add_reader("D0")
-    net.faults[("D0", "P0")] = LinkFaults(dup=1.0)
+    net.set_link("D0", "P0", LinkFaults(duplicate=1.0))
     ticket = net.grant("P0", "p-r")
     net.track("D0", "r", ticket)
     net.run_until(60.0)
@@ -495,7 +496,7 @@ def test_a_burst_of_rejects_after_a_holder_restart_costs_one_hello() -> None:
     net = Net(LeaseConfig(max_notification_size=256))
     net.add_holder("P0")
     net.add_reader("D0")
-    net.default_faults = LinkFaults(latency=0.1)
+    net.links.default = LinkFaults(delay=0.1)
     for i in range(3):
         net.track("D0", f"r{i}", net.grant("P0", f"p{i}"))
     net.run_until(6.0)

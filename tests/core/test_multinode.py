@@ -11,8 +11,9 @@ from kvproto.config import LeaseConfig
 from kvproto.events import ReadDeclined, ReadDeferred, ReadGo
 from kvproto.states import LeaseState
 from kvproto.tpmath import BlockSlice
+from kvproto_transports.loopback import LinkFaults
 
-from .net import LinkFaults, Net
+from .net import Net
 
 
 def test_holder_tp1_reader_tp2_needs_two_distinct_ranks() -> None:
@@ -98,7 +99,7 @@ def test_confirmation_needs_every_holder_rank() -> None:
     net.adopt("P1", ticket)
     net.track("D0", "r", ticket)
     net.run_until(1.0)
-    net.faults[("D0", "P1")] = LinkFaults(drop=1.0)
+    net.set_link("D0", "P1", LinkFaults(drop=1.0))
     net.run_until(24.0)
     go = net.start_read("D0", "r", duration=10.0)  # ends at 34; P1's copy ended at 30
     assert isinstance(go, ReadGo)
@@ -215,8 +216,8 @@ def test_turn2_lease_across_skewed_clocks(holder_offset: float) -> None:
     net = Net()
     net.add_holder("H", offset=holder_offset)
     net.add_reader("R")
-    net.faults[("R", "H")] = LinkFaults(latency=0.03)
-    net.faults[("H", "R")] = LinkFaults(latency=0.01)
+    net.set_link("R", "H", LinkFaults(delay=0.03))
+    net.set_link("H", "R", LinkFaults(delay=0.01))
     ticket = net.grant("H", "turn2", ttl=480.0)
     assert ticket.deadline == holder_offset + 480.0
     net.run_until(100.0)  # the ticket waits at the client
@@ -237,7 +238,7 @@ def test_turn2_read_declined_near_the_deadline_with_skew() -> None:
     net = Net()
     net.add_holder("H", offset=3600.0)
     net.add_reader("R")
-    net.default_faults = LinkFaults(latency=0.02)
+    net.links.default = LinkFaults(delay=0.02)
     ticket = net.grant("H", "turn2", ttl=480.0)
     net.run_until(10.0)
     net.track("R", "t2", ticket)
@@ -256,7 +257,7 @@ def test_turn2_read_declined_past_max_hold_with_skew() -> None:
     net = Net()
     net.add_holder("H", offset=3600.0, config=LeaseConfig(max_hold=480.0))
     net.add_reader("R", config=LeaseConfig(max_hold=480.0))
-    net.default_faults = LinkFaults(latency=0.02)
+    net.links.default = LinkFaults(delay=0.02)
     ticket = net.grant("H", "turn2", ttl=480.0)
     net.run_until(10.0)
     net.track("R", "t2", ticket)
@@ -287,8 +288,8 @@ def test_reader_bound_never_exceeds_true_deadline(  # noqa: PLR0917
     net = Net()
     net.add_holder("H", offset=holder_offset)
     net.add_reader("R", offset=reader_offset)
-    net.faults[("R", "H")] = LinkFaults(latency=up)
-    net.faults[("H", "R")] = LinkFaults(latency=down)
+    net.set_link("R", "H", LinkFaults(delay=up))
+    net.set_link("H", "R", LinkFaults(delay=down))
     ticket = net.grant("H", "t", ttl=480.0)
     net.run_until(wait)
     net.track("R", "t", ticket)

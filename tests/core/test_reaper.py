@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterable
 from typing import Any
 
 import pytest
@@ -11,13 +12,19 @@ from hypothesis import strategies as st
 
 from kvproto import holder_book, legacy, wire
 from kvproto.config import LeaseConfig
-from kvproto.holder import Holder, ended
+from kvproto.events import FreeBlocks, HolderOutput
+from kvproto.holder import Holder
 from kvproto.states import LeaseState
 
 from .net import Net
 from .pair import counter_entropy
 
 EXTENSION = 20.0
+
+
+def ended(outputs: Iterable[HolderOutput]) -> list[FreeBlocks]:
+    """The FreeBlocks among a drain's outputs."""
+    return [o for o in outputs if isinstance(o, FreeBlocks)]
 
 
 def test_58222_heartbeated_head_does_not_strand_silent_leases_behind_it() -> None:

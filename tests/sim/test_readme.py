@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvproto_tools.sim import readme
+from tests.docs import readme_table as readme
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -23,7 +23,7 @@ def test_the_core_snippet_runs_as_printed() -> None:
 
 @pytest.mark.slow
 def test_the_simulator_table_is_what_the_runs_give() -> None:
-    """Regenerate with ``python -m kvproto_tools.sim.readme --write README.md``."""
+    """Regenerate with ``python -m tests.docs.readme_table --write README.md``."""
     block = readme.block_of(README)
     assert block is not None, "README.md lost its generated simulator table"
     assert block == readme.render(readme.run(jobs=2))

@@ -294,11 +294,6 @@ class HandshakeClient:
         self._stop = threading.Event()
         self._rng = random.Random()
 
-    def set_requester_metadata(self, metadata: bytes) -> None:
-        """Replace the introduction sent with later handshakes (e.g. after registration)."""
-        with self._lock:
-            self._intro = bytes(metadata)
-
     def pending(self) -> set[Hashable]:
         """Peer keys whose handshake is still running."""
         with self._lock:

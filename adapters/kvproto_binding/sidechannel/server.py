@@ -126,11 +126,6 @@ class SideChannelServer:
         with self._lock:
             self._metadata[rank] = bytes(metadata)
 
-    def remove_metadata(self, rank: int) -> None:
-        """Stop serving ``rank``."""
-        with self._lock:
-            self._metadata.pop(rank, None)
-
     def poll_introductions(self) -> list[Introduction]:
         """Readers that sent their metadata since the last call. Never blocks."""
         if not self._intros:

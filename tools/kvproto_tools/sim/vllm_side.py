@@ -242,7 +242,3 @@ class VllmSide(Side):
                 h.stats.notifications_after_expiry for h in self.holders
             ),
         }
-
-    def peers_known(self, rank: int, engine_id: str) -> bool:
-        """Whether the rank has handshaken with ``engine_id``."""
-        return engine_id in self._peers[rank]

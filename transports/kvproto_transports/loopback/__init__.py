@@ -20,7 +20,7 @@ from kvproto_transports.loopback.endpoint import (
     DEFAULT_MAX_NOTIFICATION_SIZE,
     LoopbackTransport,
 )
-from kvproto_transports.loopback.faults import PERFECT, LinkFaults
+from kvproto_transports.loopback.faults import PERFECT, LinkFaults, Links
 from kvproto_transports.loopback.kit import LoopbackGroup, conformance_factory
 from kvproto_transports.loopback.network import LoopbackNetwork, base_name
 from kvproto_transports.loopback.stats import LoopbackStats
@@ -29,6 +29,7 @@ __all__ = [
     "DEFAULT_MAX_NOTIFICATION_SIZE",
     "PERFECT",
     "LinkFaults",
+    "Links",
     "LoopbackGroup",
     "LoopbackNetwork",
     "LoopbackStats",

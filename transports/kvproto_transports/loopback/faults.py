@@ -1,4 +1,4 @@
-"""Per-link fault settings and the seeded dice that apply them.
+"""Per-link fault settings, the seeded dice that apply them, and what becomes of a message.
 
 A *link* is one direction between two endpoint names (``a -> b``). Faults are
 keyed by the endpoints' base names, so they survive a restart (the new
@@ -6,11 +6,16 @@ incarnation sits on the same wire as the old one, as a rebooted host would).
 Each link draws from its own RNG seeded by ``(network seed, a, b)``, so the
 traffic on one link never changes the fate of a message on another: a
 simulator that adds a peer does not reshuffle every other failure.
+
+:class:`Links` is the one fault model of the simulated networks: the loopback
+network carries transport messages over it, and the core tests' exact-time
+harness (tests/core/net.py) carries the cores' frames over it.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 
 
@@ -92,3 +97,64 @@ class LinkDice:
             latency += faults.reorder_window
         duplicated = faults.duplicate > 0.0 and rng.random() < faults.duplicate
         return Fate(dropped=dropped, latency=latency, reordered=reordered, duplicated=duplicated)
+
+
+Link = tuple[str, str]
+"""``(src, dst)``: one direction between two endpoint (base) names."""
+
+
+class Links:
+    """Every link's faults and dice, and the order messages keep: a message's passage.
+
+    A link not set has :attr:`default`'s faults. A message not reordered never
+    arrives before an earlier one of the same order (:meth:`passage`): latency
+    and jitter alone never let a later message overtake an earlier one.
+    """
+
+    __slots__ = ("_dice", "_faults", "_fifo", "default", "seed")
+
+    def __init__(self, seed: int, default: LinkFaults = PERFECT) -> None:
+        self.seed = seed
+        """Seeds every link's dice (with the link's names)."""
+        self.default = default
+        """The faults of every link not :meth:`set`."""
+        self._faults: dict[Link, LinkFaults] = {}
+        self._dice: dict[Link, LinkDice] = {}
+        self._fifo: dict[Hashable, float] = {}
+
+    def set(self, link: Link, faults: LinkFaults) -> None:
+        """Set the faults of ``link``."""
+        self._faults[link] = faults
+
+    def get(self, link: Link) -> LinkFaults:
+        """The faults now in force on ``link``."""
+        return self._faults.get(link, self.default)
+
+    def items(self) -> Iterator[tuple[Link, LinkFaults]]:
+        """The links set, with their faults."""
+        return iter(self._faults.items())
+
+    def passage(self, now: float, link: Link, order: Hashable) -> tuple[float, bool, int] | None:
+        """A message put on ``link`` at ``now``: when it arrives, whether it was
+        reordered and how many copies arrive; None if it is lost.
+
+        ``order`` names the FIFO order the message keeps unless reordered (the
+        loopback network: the two endpoint incarnations, so a restarted endpoint
+        starts a new order).
+        """
+        faults = self._faults.get(link, self.default)
+        if faults.is_lossless_fifo:  # fast path: nothing to roll
+            when, reordered, copies = now + faults.delay, False, 1
+        else:
+            dice = self._dice.get(link)
+            if dice is None:
+                dice = self._dice[link] = LinkDice(self.seed, *link)
+            fate = dice.roll(faults)
+            if fate.dropped:
+                return None
+            when, reordered = now + fate.latency, fate.reordered
+            copies = 2 if fate.duplicated else 1
+        if not reordered:
+            when = max(when, self._fifo.get(order, when))
+            self._fifo[order] = when
+        return when, reordered, copies

@@ -39,7 +39,7 @@ from kvproto_transports.loopback.endpoint import (
     LoopbackTransport,
     PendingRead,
 )
-from kvproto_transports.loopback.faults import PERFECT, LinkDice, LinkFaults
+from kvproto_transports.loopback.faults import PERFECT, LinkFaults, Links
 from kvproto_transports.loopback.memory import AddressSpace, Memory
 from kvproto_transports.loopback.stats import Counters, LoopbackStats
 
@@ -82,7 +82,8 @@ class LoopbackNetwork:
         self.seed = seed
         self.detection_delay = detection_delay
         self.read_bandwidth = read_bandwidth
-        self.default_link = default_link
+        self.links = Links(seed, default_link)
+        """Every link's faults, dice and order."""
         self.token = f"net{next(_tokens)}"
         """Names this network in endpoint metadata, so foreign metadata is refused."""
         self.addresses = AddressSpace()
@@ -94,9 +95,6 @@ class LoopbackNetwork:
         self._seq = itertools.count()
         self._current: dict[str, LoopbackTransport] = {}
         self._all: dict[PeerId, LoopbackTransport] = {}
-        self._links: dict[tuple[str, str], LinkFaults] = {}
-        self._dice: dict[tuple[str, str], LinkDice] = {}
-        self._fifo: dict[tuple[PeerId, PeerId], float] = {}
         self._cut: set[tuple[str, str]] = set()
 
     # --- time ----------------------------------------------------------------------
@@ -215,13 +213,18 @@ class LoopbackNetwork:
 
     # --- links ---------------------------------------------------------------------
 
+    @property
+    def default_link(self) -> LinkFaults:
+        """The faults of every link not set with :meth:`set_link`."""
+        return self.links.default
+
     def set_link(self, a: str, b: str, faults: LinkFaults) -> None:
         """Set the faults of the directed link ``a -> b`` (base names or peer ids)."""
-        self._links[(base_name(a), base_name(b))] = faults
+        self.links.set((base_name(a), base_name(b)), faults)
 
     def link(self, a: str, b: str) -> LinkFaults:
         """The faults now in force on ``a -> b``."""
-        return self._links.get((base_name(a), base_name(b)), self.default_link)
+        return self.links.get((base_name(a), base_name(b)))
 
     def partition(self, a: str, b: str) -> None:
         """Cut both directions between ``a`` and ``b``."""
@@ -241,7 +244,7 @@ class LoopbackNetwork:
         """Whether any link touching ``name`` (or the default) has ``fault`` switched on."""
         if getattr(self.default_link, fault) > 0:
             return True
-        return any(getattr(f, fault) > 0 for (a, b), f in self._links.items() if name in (a, b))
+        return any(getattr(f, fault) > 0 for (a, b), f in self.links.items() if name in (a, b))
 
     # --- notifications -----------------------------------------------------------------
 
@@ -257,26 +260,14 @@ class LoopbackNetwork:
         if key in self._cut:
             self._count_drop(src)
             return
-        faults = self._links.get(key, self.default_link)
-        if faults.is_lossless_fifo:  # fast path: nothing to roll
-            when, reordered, copies = self._now + faults.delay, False, 1
-        else:
-            dice = self._dice.get(key)
-            if dice is None:
-                dice = self._dice[key] = LinkDice(self.seed, *key)
-            fate = dice.roll(faults)
-            if fate.dropped:
-                self._count_drop(src)
-                return
-            when, reordered = self._now + fate.latency, fate.reordered
-            copies = 2 if fate.duplicated else 1
+        passage = self.links.passage(self._now, key, (src.local_peer, dst))
+        if passage is None:
+            self._count_drop(src)
+            return
+        when, reordered, copies = passage
         if reordered:
             src.counters.reordered += 1
             self.counters.reordered += 1
-        else:
-            fifo = (src.local_peer, dst)
-            when = max(when, self._fifo.get(fifo, when))
-            self._fifo[fifo] = when
         if copies == 2:
             src.counters.duplicated += 1
             self.counters.duplicated += 1

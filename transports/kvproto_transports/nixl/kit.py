@@ -47,7 +47,7 @@ class NixlGroup(HostMemoryGroup[NixlTransport]):
         return NixlTransport(name_prefix=f"ep{index}", **self._options)  # type: ignore[arg-type]
 
     def _kill(self, endpoint: NixlTransport) -> None:
-        endpoint._crash()
+        endpoint.abort()
 
     def wait(self, max_s: float) -> None:
         for ep in self.live():

@@ -512,12 +512,13 @@ class NixlTransport:
         self._events.clear()
         self._agent = None
 
-    def _crash(self) -> None:
+    def abort(self) -> None:
         """Drop the agent with no goodbye at all (no invalidation, no deregistration).
 
-        The nearest in-process stand-in for ``kill -9``, for the conformance
-        kit: once the last handle is gone the UCX worker is destroyed and its
-        connections close under the peers' feet.
+        The nearest in-process stand-in for ``kill -9``: once the last handle is
+        gone the UCX worker is destroyed and its connections close under the
+        peers' feet. The hook a conformance kit's ``kill`` calls
+        (spec/transport-authors.md); serving code calls :meth:`close`.
         """
         self._closed = True
         self._reads.clear()

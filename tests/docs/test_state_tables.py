@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvproto.diagrams import render
+from .state_tables import render
 
 SPEC = Path(__file__).resolve().parents[2] / "spec" / "state-tables.md"
 
 
 def test_committed_state_tables_match_the_code() -> None:
-    assert SPEC.read_text() == render(), "run: python -m kvproto.diagrams > spec/state-tables.md"
+    assert SPEC.read_text() == render(), (
+        "run: python -m tests.docs.state_tables > spec/state-tables.md"
+    )
