@@ -205,7 +205,7 @@ def wire_seeds(pair: Pair) -> list[bytes]:
     ]
     seeds = list(pair.frames) + [wire.encode(m) for m in extra]
     seeds += [wire.encode(m, KEY) for m in extra]
-    # Signed with the live session keys (issue 16): frames the cores act on, to mutate.
+    # Signed with the live session keys: frames the cores act on, to mutate.
     up = pair.holder._sessions["D0"].up
     down = pair.reader._sessions[("P", 0)].down
     seeds += [wire.encode(m, up) for m in extra if isinstance(m, (wire.Heartbeat, wire.Done))]

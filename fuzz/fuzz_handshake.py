@@ -3,7 +3,7 @@
 The listener decodes requests with ``decode_request`` and answers ``MalformedHandshake``
 with an error reply; the client does the same for replies with ``decode_reply`` (and
 reports ``BadReply``). Contract: every input decodes or raises ``MalformedHandshake``, a
-``RemoteProtocolError`` like every parser a peer reaches (issue 16); anything else
+``RemoteProtocolError`` like every parser a peer reaches; anything else
 would reach the listener's catch-all (counted as an internal error, no reply). An
 accepted message re-encodes to itself.
 """

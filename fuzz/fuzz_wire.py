@@ -6,7 +6,7 @@ Contract checked on every input:
 * ``Holder.handle_frame`` and ``Reader.handle_frame`` never raise;
 * input the parser refuses changes no lease, request or session (snapshot compare);
 * so does input that parses but is not signed with one of the pair's session keys
-  (issue 16: no proof, no change), except a Hello whose anchor proves a ticket and an
+  (no proof, no change), except a Hello whose anchor proves a ticket and an
   unsigned ``Reject(NO_SESSION)``, the one unsigned frame a reader heeds (at most once
   an interval: it costs a Hello).
 """

@@ -127,8 +127,8 @@ def lapsed(
     hide the lapse, and neither does its answer. (Frames of a session are
     taken to arrive in order, so an acknowledgement also covers the unanswered
     heartbeats sent before it.) Only this session is counted: if another rank
-    of this engine renewed the lease, the read is declined as before deferrals
-    existed -- an error here costs a recompute, never safety.
+    of this engine renewed the lease, the read is declined, not deferred -- an
+    error here costs a recompute, never safety.
     """
     stretch = 1 + drift
     lapse = tracked_at + ticket.expires_in * stretch

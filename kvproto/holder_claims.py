@@ -228,7 +228,9 @@ class Claims:
         table = book.leases
         wanted = set(wire.delta_decode(deltas))
         slots = {table.ids[slot]: slot for slot in table.members.slots(session.leases)}
-        holding = set(slots)  # built in join order, as before: ``lost`` keeps its order
+        # Built in join order: a set's iteration order follows its insertions, and the
+        # detaches and ``lost`` (on the wire) come out in it.
+        holding = set(slots)
         for lease_id in holding - wanted:
             book.detach(slots[lease_id], session)
         for lease_id in wanted - holding:

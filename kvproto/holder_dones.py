@@ -86,7 +86,7 @@ class Dones:
         elif verdict is _VERDICT_LATE:
             stats.late_done += 1
         elif event is _IN_DUPLICATE_DONE:
-            stats.duplicate_done += 1  # the same answer as before
+            stats.duplicate_done += 1  # the answer its first done got
         elif event is _IN_LAST_DONE:
             self._count_consumer(session, slot)
             book.end(now, slot, event, _FREED_DONE)

@@ -596,7 +596,7 @@ class Reader:
         """``req`` reads the lease ``first_id`` reads (the same ticket): share its claim and
         heartbeats (:class:`~kvproto.reader_session.Fanout`). False if it is not that lease
         (lease ids repeat across holder incarnations) or that request failed: the caller
-        tracks ``req`` alone, as before."""
+        then tracks ``req`` alone."""
         first = self._requests.get(first_id)
         if first is None or first.failed or first.ticket.token != req.ticket.token:
             return False

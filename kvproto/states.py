@@ -164,7 +164,7 @@ DONE_VERDICTS: dict[tuple[LeaseState, LeaseInput], DoneVerdict] = {
     **{(t, _LI.DONE): DoneVerdict.LATE for t in _TERMINAL},
     **{(t, _LI.LAST_DONE): DoneVerdict.LATE for t in _TERMINAL},
     **{(t, _LI.FOREIGN_DONE): DoneVerdict.REFUSED for t in _TERMINAL},
-    # The same answer as before to the session already counted once the blocks were
+    # The answer its first done got, to the session already counted, once the blocks were
     # freed because every consumer was done; after any other end it was not vouched
     # for (the lease may have ended mid-read): LATE.
     (_L.RELEASED, _LI.DUPLICATE_DONE): DoneVerdict.HELD,
@@ -220,7 +220,7 @@ class PeerSessionInput(enum.Enum):
     FIRST = "first"
     """A Hello with a valid anchor from a peer with no session: open one."""
     DUPLICATE = "duplicate"
-    """The same Hello again (same nonce): answered as before, same server nonce."""
+    """The same Hello again (same nonce): answered as the first, same server nonce."""
     REKEY = "rekey"
     """A newer Hello of the same reader (attempt ahead): new keys, same leases."""
     REPLAYED = "replayed"

@@ -21,7 +21,7 @@ seen through a block-outermost buffer, are strided and not contiguous, but
 their pages are.
 
 Where the config has no strides (another vLLM), the per-layer tensors are
-registered as before (:func:`kvproto_transports.tensor_layout.layout_from_tensors`).
+registered one region each (:func:`kvproto_transports.tensor_layout.layout_from_tensors`).
 """
 
 from __future__ import annotations

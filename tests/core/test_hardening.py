@@ -26,7 +26,8 @@ class Attacker:
     A malicious peer engine, not an off-path stranger: it holds a ticket of its own
     (``x-own``, granted by P like any customer's), anchors its Hello on it, and signs
     its frames with the session key that Hello earns. What it then tries against D's
-    lease is refused by the per-lease proofs and owner binding, as before.
+    lease is refused by the per-lease proofs and owner binding: a session key does not
+    stand for a ticket.
     """
 
     def __init__(self, net: Net, name: str = "X0", engine: str = "X", key: bytes | None = None):

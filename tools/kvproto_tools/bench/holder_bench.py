@@ -213,7 +213,7 @@ def _heartbeat(fx: HolderFixture, vllm: anchor.VllmPrefill, plan: Plan) -> list[
 
 
 def _mac(fx: HolderFixture, plan: Plan) -> list[Figure]:
-    """What the issue-16 session MAC costs: per heartbeat, per claim, per done.
+    """What the session MAC costs: per heartbeat, per claim, per done.
 
     Timed as the holder pays it: one keyed BLAKE2b to check the incoming frame and one to
     sign its answer (the answer's MAC is the same hash over a frame of similar size). A

@@ -43,16 +43,14 @@ CALLER_WINDOW_S = 1e-3
 """While no wakeup callback is set, a ``poll`` that ran a step this recently
 comes from a polling caller that will run the next one: the engine thread
 leaves the worker to it, unarmed, rather than wake on the event fd and take
-the GIL for what the caller's step does anyway. Measured (notification round trip, 2 cores):
-engine waking on every arrival 85-150 us, windows of 0.2 ms 56-170 us (the
-engine re-checking that often still collides), 1 ms 54-61 us, raw 36-38 us.
-What only the engine thread would do (serve a peer's ``get`` once the caller
-stops polling, a command queued while another API thread held the step)
-waits at most this long. An engine thread already waiting on the event fd
-when a caller comes back (after a read, say) is signalled out by that
-caller's first step: left there, the first arrival woke it on that message's
-path, and its taking the GIL cost the next round trip 20-40 us (0.8-1.1 such
-wake-ups a round trip of the transport bench, which alternates with reads)."""
+the GIL for what the caller's step does anyway. Much shorter, the engine thread
+re-checks often enough to collide with the caller again; longer, what only the
+engine thread does (serve a peer's ``get`` once the caller stops polling, a
+command queued while another API thread held the step) waits longer: at most
+this long. An engine thread already waiting on the event fd when a caller comes
+back (after a read, say) is signalled out by that caller's first step, or the
+first arrival would wake it on that message's path. The measurements behind
+the value: spec/benchmarks.md, "UCX: the caller window"."""
 
 
 class Engine:
@@ -98,7 +96,7 @@ class Engine:
         Only the queued commands run here, not the rest of a step: a ``send``
         goes to the socket at once, and what it would find (arrivals, finished
         sends, a handshake's end) is for the next ``poll`` or the engine thread,
-        as before, so a loop of sends does not advance connections under itself.
+        so a loop of sends does not advance connections under itself.
         """
         self._commands.append(command)
         self.drive(whole_step=False)
