@@ -121,7 +121,10 @@ def refusal_key(token: bytes, nonce: bytes, secret: bytes | None) -> bytes:
 
     The holder checked the Hello's anchor, so it can prove the refusal to the
     reader with the same token: a forged refusal would otherwise break a
-    reader's session and fail its requests.
+    reader's session and fail its requests. The first 16 bytes of a 32-byte
+    BLAKE2b (not a 16-byte BLAKE2b: the output size is a parameter of the hash),
+    keyed by ``secret`` too when set, as the session keys are
+    (spec/wire-format.md §3, spec/test-vectors.json).
     """
     key = hashlib.blake2b(b"kvproto-refusal\x00" + nonce, key=token, digest_size=32).digest()
     if secret is not None:
