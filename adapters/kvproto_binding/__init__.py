@@ -1,16 +1,44 @@
 """Bindings: the small loops that run the sans-I/O cores against a clock and a transport.
 
-- :mod:`kvproto_binding.endpoint`: :class:`Endpoint`, one engine rank's synchronous step
-  (poll the transport, feed the cores, run their timers, carry out their outputs);
-- :mod:`kvproto_binding.aio`: an asyncio driver around an endpoint;
+- :class:`Endpoint` (:mod:`kvproto_binding.endpoint`): one engine rank's synchronous step
+  (poll the transport, feed the cores, run their timers, carry out their outputs); the
+  caller owns the clock and calls :meth:`Endpoint.step` with ``now``;
+- :class:`AsyncEndpoint` (:mod:`kvproto_binding.aio`): an asyncio driver around an endpoint;
 - :mod:`kvproto_binding.sidechannel`: the ZMQ side channel that introduces engines and hands
   over transport metadata before the first frame.
 
 The cores never import from here; transports (``kvproto_transports``) know nothing of it either.
+examples/embed/ runs an :class:`Endpoint` pair over the loopback transport and over a
+transport of one's own.
 """
 
 from __future__ import annotations
 
-from .endpoint import Endpoint
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["Endpoint"]
+from .endpoint import NOTHING, BindingStats, Endpoint, StepResult
+
+if TYPE_CHECKING:
+    from .aio import AsyncEndpoint, DriverClosed, DriverStats, Happened
+
+__all__ = [
+    "NOTHING",
+    "AsyncEndpoint",
+    "BindingStats",
+    "DriverClosed",
+    "DriverStats",
+    "Endpoint",
+    "Happened",
+    "StepResult",
+]
+
+_AIO = frozenset({"AsyncEndpoint", "DriverClosed", "DriverStats", "Happened"})
+
+
+def __getattr__(name: str) -> Any:
+    """The asyncio driver's names, imported on first use (asyncio is not needed otherwise)."""
+    if name in _AIO:
+        from . import aio
+
+        return getattr(aio, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
