@@ -179,7 +179,8 @@ class Producer:
                 self.shared_children += 1
                 shared.readers += 1
                 return False, {**shared.params, READERS_KEY: shared.readers}
-        ttl = self.lease.decoder_kv_blocks_ttl if turn2 else self.lease.kv_lease_duration
+        # Turn 1: the claim window (a dropped request frees then); turn 2: the client's TTL.
+        ttl = self.lease.decoder_kv_blocks_ttl if turn2 else self.lease.grant_ttl
         ticket = self._mint.mint(time.monotonic(), request_id=request.request_id, ttl=ttl)
         self._grants.append(Grant(request_id=request.request_id, ticket=ticket))
         self.granted += 1

@@ -111,15 +111,24 @@ def wait_lost_freed(p_url: str, timeout_s: float = 5.0) -> tuple[float, float]:
     from kvproto_transports.nixl.transport import PROBE_DETECTION_SLACK_S
     from kvproto_vllm.config import DEFAULT_PROBE_INTERVAL_S
 
+    took, gap = wait_p_gauges_zero(p_url, ("leases_held",), timeout_s)
+    return took, DEFAULT_PROBE_INTERVAL_S + PROBE_DETECTION_SLACK_S + gap + SCRAPE_S
+
+
+def wait_p_gauges_zero(
+    p_url: str, gauges: tuple[str, ...], timeout_s: float, poll_s: float = 0.05
+) -> tuple[float, float]:
+    """(seconds until every one of P's ``vllm:kvproto_holder_<gauge>`` reads 0, the longest
+    gap between P's pumps meanwhile, from its own gauge): P frees only inside a pump."""
     gaps = [0.0]
 
-    def freed() -> bool:
+    def zero() -> bool:
         m = metrics(p_url)
         gaps.append(m.get("vllm:kvproto_worker_pump_gap_ms_max", 0.0) / 1000.0)
-        return m.get("vllm:kvproto_holder_leases_held", 0.0) == 0
+        return all(m.get(f"vllm:kvproto_holder_{g}", 0.0) == 0 for g in gauges)
 
-    took = wait_for(freed, timeout_s)
-    return took, DEFAULT_PROBE_INTERVAL_S + PROBE_DETECTION_SLACK_S + max(gaps) + SCRAPE_S
+    took = wait_for(zero, timeout_s, poll_s=poll_s)
+    return took, max(gaps)
 
 
 def wait_for(check: Callable[[], bool], timeout_s: float, poll_s: float = 0.05) -> float:
