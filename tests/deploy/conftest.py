@@ -16,11 +16,19 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from examples.pd_cpu.client import metrics
-from examples.pd_cpu.cluster import ModelSpec, baseline_spec, plain_engine
+from examples.pd_cpu.cluster import (
+    Deployment,
+    ModelSpec,
+    baseline_spec,
+    default_layout,
+    free_port,
+    plain_engine,
+)
 
 from .baseline import Baseline
 
@@ -94,6 +102,30 @@ def baseline(
     engine = baseline_spec()
     with plain_engine(deploy_model, workdir, engine) as proc:
         yield Baseline(url=engine.url, model=str(deploy_model.path), proc=proc)
+
+
+def one_prefill_deployment(
+    model: ModelSpec,
+    workdir: Path,
+    connector: str,
+    *,
+    lease_s: int,
+    decode_seqs: int | None = None,
+    connector_extra: dict[str, Any] | None = None,
+) -> Deployment:
+    """One prefill engine, a decoder and the router on free ports (not started)."""
+    prefills, decode = default_layout(1, base_port=None, decode_seqs=decode_seqs)
+    return Deployment(
+        model,
+        workdir,
+        connector=connector,
+        prefills=prefills,
+        decode=decode,
+        router_port=free_port(),
+        router_metrics_port=free_port(),
+        lease_s=lease_s,
+        connector_extra=connector_extra,
+    )
 
 
 SCRAPE_S = 0.1

@@ -32,6 +32,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -47,7 +48,7 @@ from examples.pd_cpu.client import (
     prefill,
     sample,
 )
-from examples.pd_cpu.cluster import Deployment, ModelSpec, default_layout, free_port
+from examples.pd_cpu.cluster import Deployment, ModelSpec
 from examples.pd_cpu.tiny_model import make_prompt
 from kvproto.config import LeaseConfig
 from kvproto.ticket import PARAMS_KEY, LeaseTicket
@@ -56,6 +57,7 @@ from .baseline import Baseline
 from .conftest import (
     FIGURES,
     SCRAPE_S,
+    one_prefill_deployment,
     require_deployment,
     wait_for,
     wait_lost_freed,
@@ -84,17 +86,7 @@ HOLDER = "vllm:kvproto_holder_"
 def pd_up(
     deploy_model: ModelSpec, baseline: Baseline, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Deployment]:
-    prefills, decode = default_layout(1, base_port=None, decode_seqs=DECODE_SEQS)
-    deployment = Deployment(
-        deploy_model,
-        tmp_path_factory.mktemp("pd-kvproto"),
-        connector="kvproto",
-        prefills=prefills,
-        decode=decode,
-        router_port=free_port(),
-        router_metrics_port=free_port(),
-        lease_s=LEASE_S,
-    )
+    deployment = _deployment(deploy_model, tmp_path_factory.mktemp("pd-kvproto"), "kvproto")
     with deployment:
         FIGURES.append(
             "startup: " + ", ".join(f"{k} {v:.1f} s" for k, v in deployment.startup_s.items())
@@ -108,6 +100,18 @@ def pd(pd_up: Deployment) -> Deployment:
     left one dead; each test starts from a healthy deployment)."""
     pd_up.restart_dead()
     return pd_up
+
+
+def _deployment(model: ModelSpec, workdir: Path, connector: str) -> Deployment:
+    """The module's deployment: its lease (stock's too), a decoder running ``DECODE_SEQS``."""
+    return one_prefill_deployment(
+        model,
+        workdir,
+        connector,
+        lease_s=LEASE_S,
+        decode_seqs=DECODE_SEQS,
+        connector_extra={"kv_lease_duration": LEASE_S} if connector == "stock" else None,
+    )
 
 
 def _prompt(tag: str, i: int) -> str:
@@ -370,20 +374,10 @@ def test_a_request_that_never_reaches_decode_frees_p_at_the_claim_window(
 def _stock_drop_s(pd: Deployment, tmp_path_factory: pytest.TempPathFactory) -> tuple[float, float]:
     """Seconds stock NixlConnector's prefill engine keeps a dropped request's blocks (its
     KV cache usage back to 0), with the module's lease: (from its answer, from the request)."""
-    prefills, decode = default_layout(1, base_port=None)
-    stock = Deployment(
-        pd.model,
-        tmp_path_factory.mktemp("stock-dropped"),
-        connector="stock",
-        prefills=prefills,
-        decode=decode,
-        router_port=free_port(),
-        router_metrics_port=free_port(),
-        connector_extra={"kv_lease_duration": LEASE_S},
-    )
+    stock = _deployment(pd.model, tmp_path_factory.mktemp("stock-dropped"), "stock")
     try:
-        stock.start_engine(prefills[0])
-        url = prefills[0].url
+        stock.start_engine(stock.prefill_specs[0])
+        url = stock.prefill_specs[0].url
         sent = time.monotonic()
         prefill(url, str(pd.model.path), _prompt("dropped-stock", 0))
         answered = time.monotonic()
