@@ -37,6 +37,16 @@ def heartbeats(net: Net, src: str = "D0", dst: str = "P0") -> list[tuple[float, 
     return out
 
 
+def one_done_confirms(net: Net, when: float, lease: int, rids: list[str], *, timeouts: int) -> None:
+    """The lease's one done arrived at ``when``, freed it and confirmed ``rids`` then;
+    ``timeouts`` dones had been held back until ``ack_timeout`` ran out."""
+    assert net.arrivals("D0", "P0", wire.Done) == [when]
+    assert net.freed_leases() == [(when, lease, "DONE")]
+    assert sorted((t, rid) for t, _, rid in net.confirmed) == [(when, rid) for rid in rids]
+    assert net.reader("D0").stats.fanout_done_timeouts == timeouts
+    net.check_no_silent_overlap()
+
+
 def track_two(net: Net) -> int:
     ticket = net.grant("P0", "p-r")
     net.track("D0", "c0", ticket)  # vLLM: "0_<parent>" and "1_<parent>", one ticket
@@ -168,14 +178,10 @@ def test_expected_readers_keep_the_first_reads_done_until_a_late_sibling_read() 
     go1 = net.start_read("D0", "c1", duration=1.0)  # the last read: the done rides it
     assert isinstance(go1, ReadGo) and go1.orders[0].notify != b""
     net.run_until(40.0)
-    assert net.arrivals("D0", "P0", wire.Done) == [2.7]
-    assert net.freed_leases() == [(2.7, ticket.lease, "DONE")]
-    assert sorted((t, rid) for t, _, rid in net.confirmed) == [(2.7, "c0"), (2.7, "c1")]
+    one_done_confirms(net, 2.7, ticket.lease, ["c0", "c1"], timeouts=0)
     assert net.failures() == []
     claims = [c.lease for _, hb in heartbeats(net) for c in hb.claims]
     assert claims == [ticket.lease]  # the first track claimed; the sibling joined it
-    assert net.reader("D0").stats.fanout_done_timeouts == 0
-    net.check_no_silent_overlap()
 
 
 def test_an_expected_reader_that_never_comes_is_waited_for_ack_timeout_only() -> None:
@@ -187,11 +193,7 @@ def test_an_expected_reader_that_never_comes_is_waited_for_ack_timeout_only() ->
     net.start_read("D0", "c0", duration=0.5)
     net.start_read("D0", "c1", duration=1.0)  # lands at 2.0; the third never comes
     net.run_until(40.0)
-    assert net.arrivals("D0", "P0", wire.Done) == [7.0]  # 2.0 + ack_timeout
-    assert net.freed_leases() == [(7.0, ticket.lease, "DONE")]
-    assert sorted((t, rid) for t, _, rid in net.confirmed) == [(7.0, "c0"), (7.0, "c1")]
-    assert net.reader("D0").stats.fanout_done_timeouts == 1
-    net.check_no_silent_overlap()
+    one_done_confirms(net, 7.0, ticket.lease, ["c0", "c1"], timeouts=1)  # 2.0 + ack_timeout
 
 
 def test_a_lone_reader_told_it_has_siblings_aborts_unread_as_one() -> None:

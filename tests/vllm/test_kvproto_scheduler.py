@@ -169,7 +169,8 @@ def _producer_flow(model: Path) -> dict[str, Any]:
     ticket = LeaseTicket.from_params(params[PARAMS_KEY])
     assert ticket.holder_engine == conn.engine_id
     assert ticket.holder_incarnation == meta.incarnation
-    assert ticket.request_id == "p1" and ticket.expires_in == 30
+    # Unclaimed, the lease lives the claim window (the extension of the 30 s lease).
+    assert ticket.request_id == "p1" and ticket.expires_in == 20
     # Delayed free: the finished request keeps its blocks.
     assert "p1" in sched.requests
     assert free_blocks(sched) == free0 - 4
@@ -466,7 +467,7 @@ def test_prefill_reads_turn2_prefix(tiny_model_dir: Path, turn2_params: dict[str
     assert params["do_remote_decode"] is False
     assert params["remote_num_tokens"] == len(prompt)
     ticket = LeaseTicket.from_params(params[PARAMS_KEY])
-    assert ticket.expires_in == 30 and ticket.holder_engine == conn.engine_id
+    assert ticket.expires_in == 20 and ticket.holder_engine == conn.engine_id  # claim window
     meta, _, _ = step(sched)
     assert [g.request_id for g in meta.grants] == ["t2"]
     assert conn.debug_state()["tracked"] == 0
