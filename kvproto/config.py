@@ -49,7 +49,17 @@ class LeaseConfig:
     """Every tunable of the lease protocol, validated at construction."""
 
     kv_lease_duration: float = 30.0
-    """Initial lease granted when prefill finishes, seconds (vLLM's name and default)."""
+    """The lease's length, seconds (vLLM's name and default): the heartbeat interval and
+    extension derive from it, and a lease granted when prefill finishes lasts this long
+    once claimed, at the latest until ``claim_window`` unclaimed."""
+    claim_window: float | None = None
+    """How long a lease granted when prefill finishes waits for its first claim, seconds
+    (the ticket's ``expires_in``; a claim then keeps it as any heartbeat does). None: the
+    lease extension, so a grant outlives a silent reader exactly as long as a claimed
+    lease outlives its last heartbeat; with ``accept_legacy`` the whole lease, as stock
+    decoders, which never see the ticket, expect. A request the router drops before any
+    decoder tracks it holds the blocks this long (spec/timing.md, "Requests that never
+    reach D")."""
     decoder_kv_blocks_ttl: float = 480.0
     """Lease for bidirectional turn-2 blocks held by the decoder, seconds (vLLM's name)."""
     max_hold: float = 1800.0
@@ -106,6 +116,10 @@ class LeaseConfig:
                 f"lease extension {self.lease_extension} must exceed the heartbeat interval "
                 f"{self.heartbeat_interval}"
             )
+        if self.claim_window is not None and not 0 < self.claim_window <= self.kv_lease_duration:
+            raise ConfigError(
+                f"claim_window must be in (0, kv_lease_duration], got {self.claim_window}"
+            )
         if self.decoder_kv_blocks_ttl <= 0:
             raise ConfigError("decoder_kv_blocks_ttl must be positive")
         if self.max_hold < max(self.kv_lease_duration, self.decoder_kv_blocks_ttl):
@@ -137,6 +151,14 @@ class LeaseConfig:
     def lease_extension(self) -> float:
         """``kv_lease_duration * 2 // 3``: a heartbeat keeps a lease until arrival + this."""
         return self.kv_lease_duration * 2 // 3
+
+    @property
+    def grant_ttl(self) -> float:
+        """How long a fresh grant lives unclaimed: ``claim_window``, else the lease extension
+        (the whole lease with ``accept_legacy``)."""
+        if self.claim_window is not None:
+            return self.claim_window
+        return self.kv_lease_duration if self.accept_legacy else self.lease_extension
 
     @property
     def drift(self) -> float:

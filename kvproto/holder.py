@@ -104,10 +104,11 @@ class Holder:
     def grant(self, now: float, *, request_id: str, ttl: float | None = None) -> LeaseTicket:
         """Grant a lease on the blocks of ``request_id``; the ticket goes to the reader.
 
-        ``ttl`` defaults to ``kv_lease_duration``; pass ``decoder_kv_blocks_ttl``
-        for bidirectional turn-2 blocks.
+        ``ttl`` defaults to the claim window (``config.grant_ttl``): nobody heartbeats
+        the lease before its reader's claim; pass ``decoder_kv_blocks_ttl`` for
+        bidirectional turn-2 blocks, which a client keeps for its next turn.
         """
-        lifetime = self.config.kv_lease_duration if ttl is None else ttl
+        lifetime = self.config.grant_ttl if ttl is None else ttl
         if not 0 < lifetime <= self.config.max_hold:  # also refuses NaN (it would poison the queue)
             raise LocalProtocolError(f"lease ttl {lifetime} outside (0, max_hold]")
         ticket = self._mint.mint(now, request_id=request_id, ttl=lifetime)

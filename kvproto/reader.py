@@ -166,11 +166,15 @@ class Reader:
 
     # ------------------------------------------------------------------ API
 
-    def track(self, now: float, *, request_id: str, ticket: LeaseTicket) -> None:
+    def track(self, now: float, *, request_id: str, ticket: LeaseTicket, readers: int = 1) -> None:
         """Start keeping ``ticket``'s lease alive: call when the request enters the scheduler.
 
-        A bad ticket fails the request (``RequestFailed``). Tracking an id that
-        is tracked already is misuse: :class:`LocalProtocolError`.
+        ``readers``: how many requests of this reader rank will read ``ticket`` (vLLM's
+        parallel-sampling children, which reach the scheduler one message each); the
+        lease's done waits for that many (at most ``ack_timeout`` past a landed read),
+        so a first child scheduled before its siblings arrive does not free the blocks
+        they are to read. A bad ticket fails the request (``RequestFailed``). Tracking
+        an id that is tracked already is misuse: :class:`LocalProtocolError`.
         """
         self._wake = _UNKNOWN
         if request_id in self._requests:
@@ -216,9 +220,7 @@ class Reader:
             return
         if restarted is not None:
             self._park(now, request_id, restarted)
-        elif (first := sessions[0].by_lease.get(lease)) is not None and self._join(
-            now, req, first, sessions
-        ):
+        elif self._shared(now, req, sessions, readers):
             return  # another request reads this ticket: one claim and heartbeat serve both
         # The route's sessions are all of the ticket's engine and share its lease index:
         # one entry serves them.
@@ -584,6 +586,21 @@ class Reader:
 
     # ------------------------------------------------------------ fan-out
 
+    def _shared(
+        self, now: float, req: Request, sessions: tuple[Session, ...], readers: int
+    ) -> bool:
+        """Whether ``req`` joined another request reading its ticket (:meth:`_join`).
+        When it is the first of ``readers`` > 1, its group is made now: its read then
+        does not carry the lease's done while siblings still on their way have not read."""
+        lease = req.ticket.lease
+        first = sessions[0].by_lease.get(lease)
+        if first is not None and self._join(now, req, first, sessions, readers=readers):
+            return True
+        if readers > 1 and lease not in sessions[0].fanout:
+            sessions[0].fanout[lease] = Fanout([req.request_id], expected=readers)
+            self._groups += 1
+        return False
+
     def _join(
         self,
         now: float,
@@ -592,6 +609,7 @@ class Reader:
         sessions: tuple[Session, ...],
         *,
         parked: bool = False,
+        readers: int = 1,
     ) -> bool:
         """``req`` reads the lease ``first_id`` reads (the same ticket): share its claim and
         heartbeats (:class:`~kvproto.reader_session.Fanout`). False if it is not that lease
@@ -604,11 +622,16 @@ class Reader:
         fanout = sessions[0].fanout
         group = fanout.get(lease)
         if group is None:
-            group = fanout[lease] = Fanout([first_id])
+            # The first read alone: a read it began already carried the lease's done.
+            group = fanout[lease] = Fanout(
+                [first_id], done_sent={r for r, p in first.parts.items() if p.done_frame}
+            )
             self._groups += 1
+        group.expected = max(group.expected, readers)
         rid = req.request_id
         if rid not in group.members:
             group.members.append(rid)
+            group.joined += 1
             self.stats.fanout_joins += 1
         for session in sessions:
             self._copy_claim(first.parts[session.rank], req.parts[session.rank])
@@ -652,8 +675,11 @@ class Reader:
         )
 
     def _last_reader(self, group: Fanout, req: Request, rank: int) -> bool:
-        """``req`` begins the last read of its lease from ``rank``: no sibling is still to."""
-        return not self._others_need(group, req, rank, _STILL_READS)
+        """``req`` begins the last read of its lease from ``rank``: every expected reader
+        joined and no sibling is still to read."""
+        return group.joined >= group.expected and not self._others_need(
+            group, req, rank, _STILL_READS
+        )
 
     def _done_goes(self, now: float, group: Fanout, rank: int, frame: bytes) -> None:
         """The lease's done for ``rank`` leaves now: the landed siblings await its verdict."""
@@ -673,12 +699,13 @@ class Reader:
     ) -> None:
         """Send the lease's done to ``rank`` once no reader of it is still reading from it.
 
-        A landed read's done is held back while a sibling has not begun its read, for at
-        most ``ack_timeout`` (``force``: that ran out; the done goes without it)."""
+        A landed read's done is held back while a sibling has not begun its read (or not
+        even joined: fewer than ``group.expected`` have), for at most ``ack_timeout``
+        (``force``: that ran out; the done goes without it)."""
         if rank in group.done_sent:
             return
         landed: list[tuple[Request, Part]] = []
-        unstarted = False
+        unstarted = group.joined < group.expected
         for rid in group.members:
             sib = self._requests.get(rid)
             if sib is None or sib.failed:
@@ -697,6 +724,8 @@ class Reader:
                 if part.ack_deadline == math.inf:
                     self._dones.hold_back(now, sib, part)
             return
+        if unstarted:
+            self.stats.fanout_done_timeouts += 1
         frame = done_frame(landed[0][0], session.up)
         self._release_lease(now, session, landed[0][0].ticket.lease)
         self._out.append(SendFrame(peer=session.peer, payload=frame))

@@ -94,8 +94,9 @@ class Fanout:
     and its done goes to each holder rank once, when no member still reads from it: the
     holder counts one done per reader rank, and answers a repeated one as it answered
     the first, so a done sent while a sibling still reads would free blocks that
-    sibling's read is taking while vouching for it. Made only when a second request
-    joins: a lease read by one request has none.
+    sibling's read is taking while vouching for it. Made when a second request joins,
+    or at the first one's track when it says more will read: a lease read by one
+    request has none.
     """
 
     members: list[str]
@@ -104,6 +105,11 @@ class Fanout:
     done_sent: set[int] = field(default_factory=set)
     """Holder ranks the lease's done went to: a request that begins its read later is
     not covered by that done's verdict, and is declined."""
+    expected: int = 1
+    """How many requests the tracks said would read the lease: the done waits until
+    that many joined (held back at most ``ack_timeout``, like a landed read's done)."""
+    joined: int = 1
+    """How many requests joined, those that left since included."""
 
 
 class WelcomeProblem(enum.Enum):

@@ -151,6 +151,9 @@ class ReaderStats:
     fanout_late_reads: int = 0
     """Of those, reads declined because the lease's done had gone without them (they had
     not begun within ``ack_timeout`` of their siblings' reads): recomputed."""
+    fanout_done_timeouts: int = 0
+    """Lease dones held back ``ack_timeout`` for a sibling that had not begun its read
+    (or not been tracked), then sent without it: the landed reads waited that long."""
 
     def snapshot(self) -> dict[str, int]:
         """Counter name → value."""

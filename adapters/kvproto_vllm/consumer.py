@@ -44,6 +44,7 @@ from .groups import (
     single_full_group,
 )
 from .metadata import Recv, Track
+from .producer import READERS_KEY
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -126,7 +127,9 @@ class Consumer:
         self._tracked[rid] = _Tracked(
             ticket, remote_blocks, remote_tokens, holder_block, ratio=ratio, turn2=turn2
         )
-        self._tracks.append(Track(request_id=rid, ticket=ticket, host=host, port=port))
+        self._tracks.append(
+            Track(request_id=rid, ticket=ticket, host=host, port=port, readers=_readers(params))
+        )
 
     def _is_turn2(self, params: dict[str, Any]) -> bool:
         """A turn-2 prefill that can read the decoder's kept blocks (stock's test)."""
@@ -306,6 +309,14 @@ def _parse(
             "only (an SSM state is one indivisible block)"
         )
     return ticket, host, port, blocks, remote_tokens, holder_block, ratio
+
+
+def _readers(params: dict[str, Any]) -> int:
+    """The holder's count of requests reading the ticket (1 when it names none or a bad
+    one: a wrong count only delays or brings forward the lease's done, its verdict still
+    fences every read)."""
+    value = params.get(READERS_KEY)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 1 else 1
 
 
 def _block_ids(value: Any) -> list[list[int]] | None:

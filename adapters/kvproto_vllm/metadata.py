@@ -42,6 +42,9 @@ class Track:
     """Holder side-channel host (``remote_host``)."""
     port: int
     """Holder rank 0's side-channel port (``remote_port``); rank r listens on port + r."""
+    readers: int = 1
+    """How many requests here read the ticket (parallel sampling's children: the
+    holder's ``kvproto_readers``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

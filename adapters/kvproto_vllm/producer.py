@@ -28,6 +28,7 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvproto.config import LeaseConfig
@@ -46,6 +47,25 @@ TRUNCATED_KEY = "_p_side_truncated"
 
 SIBLINGS_KEPT = 1024
 """Parents of parallel-sampling children whose ticket is remembered for their siblings."""
+
+READERS_KEY = "kvproto_readers"
+"""kv_transfer_params key: how many of a parent's children this engine answered with the
+lease so far (vLLM forwards the last child's params, which then name them all). A
+decoder's children reach its scheduler one message each; the count tells its reader how
+many will read the lease, so the first child's done does not free it before the others
+read (:meth:`kvproto.reader.Reader.track`)."""
+
+
+@dataclass(slots=True)
+class _Siblings:
+    """A parent whose first child was granted a lease."""
+
+    prompt: list[int]
+    """The children's prompt (a later child with another prompt is not a sibling)."""
+    params: dict[str, Any]
+    """The first child's kv_transfer_params, which every later child answers with."""
+    readers: int = 1
+    """Children answered with them so far."""
 
 
 def sampling_parent(request_id: str) -> str | None:
@@ -97,8 +117,8 @@ class Producer:
         self.shared_children = 0
         """Parallel-sampling children answered with a sibling's lease (their blocks freed
         at once)."""
-        self._siblings: OrderedDict[str, tuple[list[int], dict[str, Any]]] = OrderedDict()
-        """Parent id → (prompt, kv_transfer_params) of its first child granted a lease."""
+        self._siblings: OrderedDict[str, _Siblings] = OrderedDict()
+        """Parent id → its first child granted a lease."""
 
     def on_new_request(self, request: Request) -> None:
         """Stop a prefill ``groups.backoff`` prompt tokens short (SSM state: the decoder
@@ -150,15 +170,17 @@ class Producer:
         prompt = request.prompt_token_ids
         if parent is not None and prompt is not None:
             shared = self._siblings.get(parent)
-            if shared is not None and shared[0] == prompt:
+            if shared is not None and shared.prompt == prompt:
                 # Children of one request (n > 1) carry the same prompt, and vLLM hands
                 # the decoder one child's kv_transfer_params only (the last to finish):
                 # every child names the first one's lease, so the decoder's children all
                 # read that one copy, and this child's blocks go back now instead of
                 # waiting under a lease nobody claims.
                 self.shared_children += 1
-                return False, dict(shared[1])
-        ttl = self.lease.decoder_kv_blocks_ttl if turn2 else self.lease.kv_lease_duration
+                shared.readers += 1
+                return False, {**shared.params, READERS_KEY: shared.readers}
+        # Turn 1: the claim window (a dropped request frees then); turn 2: the client's TTL.
+        ttl = self.lease.decoder_kv_blocks_ttl if turn2 else self.lease.grant_ttl
         ticket = self._mint.mint(time.monotonic(), request_id=request.request_id, ttl=ttl)
         self._grants.append(Grant(request_id=request.request_id, ticket=ticket))
         self.granted += 1
@@ -188,7 +210,8 @@ class Producer:
             PARAMS_KEY: ticket.to_params(),
         }
         if parent is not None and prompt is not None:
-            self._siblings[parent] = (list(prompt), dict(params))
+            params[READERS_KEY] = 1
+            self._siblings[parent] = _Siblings(list(prompt), dict(params))
             if len(self._siblings) > SIBLINGS_KEPT:
                 self._siblings.popitem(last=False)
         return True, params

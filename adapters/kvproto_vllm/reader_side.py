@@ -119,7 +119,9 @@ class ReaderSide:
                 log.error("request %s not tracked: it is tracked already", track.request_id)
                 self._verdicts[track.request_id] = "track-refused"
                 continue
-            self.reader.track(now, request_id=track.request_id, ticket=track.ticket)
+            self.reader.track(
+                now, request_id=track.request_id, ticket=track.ticket, readers=track.readers
+            )
             self._record("tracked", track.request_id, f"lease {track.ticket.lease}")
         for recv in recvs:
             rid = recv.request_id

@@ -64,6 +64,10 @@ PROM_COUNTERS: dict[str, str] = {
     "reader_failed_recving": "Requests reported to vLLM as failed loads (recomputed).",
     "reader_handshake_failures": "Side-channel handshakes that failed.",
     "reader_compat_mismatches": "Handshakes refused for incompatible engines.",
+    "reader_fanout_done_timeouts": (
+        "Lease dones held back ack_timeout for a request on the same ticket (a parallel-"
+        "sampling child) that had not begun its read, then sent without it."
+    ),
 }
 PROM_GAUGES: dict[str, str] = {
     "holder_leases_granted": "Leases granted and not yet claimed by a reader.",

@@ -185,9 +185,11 @@ class Net:
     def adopt(self, holder: str, ticket: LeaseTicket) -> None:
         self.holder(holder).adopt(self.local(holder), ticket)
 
-    def track(self, reader: str, request_id: str, ticket: LeaseTicket) -> None:
+    def track(self, reader: str, request_id: str, ticket: LeaseTicket, *, readers: int = 1) -> None:
         self.tickets[(reader, request_id)] = ticket
-        self.reader(reader).track(self.local(reader), request_id=request_id, ticket=ticket)
+        self.reader(reader).track(
+            self.local(reader), request_id=request_id, ticket=ticket, readers=readers
+        )
         self.collect()
 
     def finish(self, reader: str, request_id: str) -> None:

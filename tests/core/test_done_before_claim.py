@@ -8,7 +8,8 @@ the done, exactly as if the claim had come first. What it never does: count a do
 without a valid proof, from another TP layout than the lease's first claimer, or for
 a lease that had already ended (that read is fenced LATE, as after a claim).
 
-Default config: 30 s lease, 5 s interval, 20 s extension, 5 s read margin.
+Default config: 30 s lease, 5 s interval, 20 s extension, 5 s read margin; an unclaimed
+grant lives 20 s (the claim window).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from kvproto_transports.loopback import LinkFaults
 from .net import Net
 from .rawsession import open_session
 
-DURATION = LeaseConfig().kv_lease_duration
+GRANT_TTL = LeaseConfig().grant_ttl
 HELD, LATE, REFUSED = wire.DoneVerdict.HELD, wire.DoneVerdict.LATE, wire.DoneVerdict.REFUSED
 
 
@@ -71,7 +72,7 @@ def test_done_whose_claim_heartbeat_was_lost_counts_as_claim_and_done() -> None:
     claimed = [t for t, src, _, p in net.sent if src == "D0" and ticket.lease in _claims(p)]
     assert claimed == [0.0, 5.0, 10.0]
     assert holder.lease_state(ticket.lease) is LeaseState.GRANTED
-    assert holder.deadline(ticket.lease) == DURATION
+    assert holder.deadline(ticket.lease) == GRANT_TTL
     assert reader.state("r1") == {0: ReadState.TRACKED}
     go = net.start_read("D0", "r1", duration=0.5)
     assert isinstance(go, ReadGo)
@@ -129,14 +130,14 @@ def test_done_after_an_unclaimed_lease_expired_is_late() -> None:
     """The only done that finds no claimer recorded is one for a lease that ended
     before any claim: it is LATE (S1, S3), not a rank of another TP layout."""
     net, ticket = one_pair()
-    net.run_until(20.0)
-    # The bound (the ticket's 30 s, less the 5 s margin) allows a read at 20 ...
-    assert isinstance(net.start_read("D0", "r1", duration=12.0), ReadGo)
+    net.run_until(14.0)
+    # The bound (the ticket's 20 s unclaimed, less the 5 s margin) allows a read at 14 ...
+    assert isinstance(net.start_read("D0", "r1", duration=8.0), ReadGo)
     net.run_until(40.0)
-    # ... which outlives the lease: freed by expiry at 30, the done at 32 is late.
-    assert net.freed_leases() == [(DURATION, ticket.lease, "EXPIRED")]
-    assert done_acks(net) == [(32.0, LATE)]
-    assert net.failures("D0") == [(32.0, "r1", "FENCED_LATE")]
+    # ... which outlives the lease: freed by expiry at 20, the done at 22 is late.
+    assert net.freed_leases() == [(GRANT_TTL, ticket.lease, "EXPIRED")]
+    assert done_acks(net) == [(22.0, LATE)]
+    assert net.failures("D0") == [(22.0, "r1", "FENCED_LATE")]
     assert net.confirmed == []
     stats = net.holder("P0").stats_snapshot()
     assert stats["late_done"] == 1 and stats["bad_rank_done"] == 0 and stats["claims"] == 0
@@ -168,7 +169,7 @@ def test_done_first_with_a_wrong_proof_never_counts_nor_claims() -> None:
     assert holder.stats.bad_proof == len(wrong)
     assert holder.stats.claims == 0
     assert holder.lease_state(ticket.lease) is LeaseState.GRANTED
-    assert holder.deadline(ticket.lease) == DURATION  # nothing renewed either
+    assert holder.deadline(ticket.lease) == GRANT_TTL  # nothing renewed either
     # No owner was bound by them: the genuine done still claims and frees.
     right = claim_proof(ticket.token, "D", ticket.lease)
     assert _done(holder, key, now=9.0, lease=lease, proof=right, peer="D0") == HELD
@@ -248,7 +249,7 @@ def test_tp_2_to_1_done_before_any_claim_waits_for_the_second_rank() -> None:
     net.run_until(1.0)
     assert holder.lease_state(ticket.lease) is LeaseState.HELD
     assert holder.stats.claims == 1 and net.freed_leases() == []
-    assert holder.deadline(ticket.lease) == DURATION  # not shortened (S2)
+    assert holder.deadline(ticket.lease) == GRANT_TTL  # not shortened (S2)
     assert [(t, r) for t, r, _ in net.confirmed] == [(0.5, "D0")]
     # D1's Hello arrives at 1, its heartbeats (the first with the claim) at 2, 7, 12:
     # its session holds the lease from 2 and renews it past the own deadline at 12.

@@ -38,6 +38,16 @@ def heartbeats(net: Net, src: str = "D0", dst: str = "P0") -> list[tuple[float, 
     return out
 
 
+def one_done_confirms(net: Net, when: float, lease: int, rids: list[str], *, timeouts: int) -> None:
+    """The lease's one done arrived at ``when``, freed it and confirmed ``rids`` then;
+    ``timeouts`` dones had been held back until ``ack_timeout`` ran out."""
+    assert net.arrivals("D0", "P0", wire.Done) == [when]
+    assert net.freed_leases() == [(when, lease, "DONE")]
+    assert sorted((t, rid) for t, _, rid in net.confirmed) == [(when, rid) for rid in rids]
+    assert net.reader("D0").stats.fanout_done_timeouts == timeouts
+    net.check_no_silent_overlap()
+
+
 def track_two(net: Net) -> int:
     ticket = net.grant("P0", "p-r")
     net.track("D0", "c0", ticket)  # vLLM: "0_<parent>" and "1_<parent>", one ticket
@@ -126,7 +136,77 @@ def test_a_sibling_that_does_not_begin_is_waited_for_ack_timeout_then_declined()
     late = net.start_read("D0", "c0")
     assert late == ReadDeclined(reason=late.reason) and late.reason.name == "LEASE_LOST"
     assert net.reader("D0").stats.fanout_late_reads == 1
+    assert net.reader("D0").stats.fanout_done_timeouts == 1
     assert net.arrivals("D0", "P0", wire.Done) == [7.0]  # the declined read sent nothing
+
+
+def test_a_sibling_tracked_after_a_lone_read_began_is_declined_not_vouched_for() -> None:
+    """vLLM hands the scheduler each child in its own message: the first can be scheduled
+    and read alone, its done riding its read, before the next arrives. That done frees
+    the blocks; a read the sibling began later must not take its verdict."""
+    net = pair()
+    ticket = net.grant("P0", "p-r")
+    net.track("D0", "c0", ticket)
+    net.run_until(1.0)
+    go0 = net.start_read("D0", "c0", duration=0.5)  # lands at 1.5 with the done
+    assert isinstance(go0, ReadGo) and go0.orders[0].notify != b""
+    net.run_until(1.2)
+    net.track("D0", "c1", ticket)  # declined at once: nothing waits for a timer
+    net.run_until(1.3)
+    late = net.start_read("D0", "c1", duration=1.0)
+    assert isinstance(late, ReadDeclined) and late.reason.name == "LEASE_LOST"
+    net.run_until(40.0)
+    assert net.freed_leases() == [(1.5, ticket.lease, "DONE")]
+    assert [(t, rid) for t, _, rid in net.confirmed] == [(1.5, "c0")]
+    assert net.failures() == [(1.2, "c1", "LEASE_LOST")]
+    assert net.arrivals("D0", "P0", wire.Done) == [1.5]
+    assert net.reader("D0").stats.fanout_late_reads == 1
+    net.check_no_silent_overlap()
+
+
+def test_expected_readers_keep_the_first_reads_done_until_a_late_sibling_read() -> None:
+    """The holder's count of readers (the children it prefilled) rides every child's
+    track: the first child's landed read waits for the sibling not yet tracked."""
+    net = pair()
+    ticket = net.grant("P0", "p-r")
+    net.track("D0", "c0", ticket, readers=2)
+    net.run_until(1.0)
+    go0 = net.start_read("D0", "c0", duration=0.5)  # lands at 1.5, its done held back
+    assert isinstance(go0, ReadGo) and go0.orders[0].notify == b""
+    net.run_until(1.7)
+    assert net.freed_leases() == []
+    net.track("D0", "c1", ticket, readers=2)
+    go1 = net.start_read("D0", "c1", duration=1.0)  # the last read: the done rides it
+    assert isinstance(go1, ReadGo) and go1.orders[0].notify != b""
+    net.run_until(40.0)
+    one_done_confirms(net, 2.7, ticket.lease, ["c0", "c1"], timeouts=0)
+    assert net.failures() == []
+    claims = [c.lease for _, hb in heartbeats(net) for c in hb.claims]
+    assert claims == [ticket.lease]  # the first track claimed; the sibling joined it
+
+
+def test_an_expected_reader_that_never_comes_is_waited_for_ack_timeout_only() -> None:
+    net = pair()
+    ticket = net.grant("P0", "p-r")
+    net.track("D0", "c0", ticket, readers=3)
+    net.track("D0", "c1", ticket, readers=3)
+    net.run_until(1.0)
+    net.start_read("D0", "c0", duration=0.5)
+    net.start_read("D0", "c1", duration=1.0)  # lands at 2.0; the third never comes
+    net.run_until(40.0)
+    one_done_confirms(net, 7.0, ticket.lease, ["c0", "c1"], timeouts=1)  # 2.0 + ack_timeout
+
+
+def test_a_lone_reader_told_it_has_siblings_aborts_unread_as_one() -> None:
+    net = pair()
+    ticket = net.grant("P0", "p-r")
+    net.track("D0", "c0", ticket, readers=2)
+    net.run_until(2.0)
+    net.finish("D0", "c0")  # the siblings were never tracked (a whole parent aborted)
+    net.run_until(10.0)
+    aborts = [(t, [c.lease for c in hb.aborts]) for t, hb in heartbeats(net) if hb.aborts]
+    assert aborts == [(2.0, [ticket.lease])]
+    assert net.freed_leases() == [(2.0, ticket.lease, "ABORTED")]
 
 
 def test_all_siblings_unread_abort_at_the_last_finish_and_other_reads_go_on() -> None:
@@ -211,11 +291,11 @@ def test_a_late_verdict_fences_every_sibling() -> None:
     net.run_until(1.0)
     net.set_link("D0", "P0", LinkFaults(drop=1.0))  # no heartbeat reaches P from now on
     net.start_read("D0", "c0", duration=29.0)
-    net.start_read("D0", "c1", duration=29.5)  # lands after the lease lapsed (at 30)
+    net.start_read("D0", "c1", duration=29.5)  # lands after the lease lapsed (at 20)
     net.run_until(30.2)
     net.set_link("D0", "P0", LinkFaults())
     net.run_until(60.0)
-    assert (30.0, lease, "EXPIRED") in net.freed_leases()
+    assert (20.0, lease, "EXPIRED") in net.freed_leases()  # the claim at 0 + extension
     assert net.confirmed == []
     assert sorted(rid for _, rid, _ in net.failures()) == ["c0", "c1"]
     net.check_no_silent_overlap()
@@ -225,19 +305,26 @@ def test_a_late_verdict_fences_every_sibling() -> None:
 @given(
     n=st.integers(min_value=2, max_value=4),
     plan=st.lists(
-        st.tuples(st.floats(min_value=0.5, max_value=12.0), st.booleans(), st.booleans()),
+        st.tuples(
+            st.floats(min_value=0.0, max_value=4.0),
+            st.floats(min_value=0.5, max_value=12.0),
+            st.booleans(),
+            st.booleans(),
+        ),
         min_size=4,
         max_size=4,
     ),
+    told=st.booleans(),
     seed=st.integers(min_value=0, max_value=2**16),
     lossy=st.booleans(),
 )
 def test_property_siblings_never_trust_a_read_overlapping_a_free(
-    n: int, plan: list[tuple[float, bool, bool]], seed: int, lossy: bool
+    n: int, plan: list[tuple[float, float, bool, bool]], told: bool, seed: int, lossy: bool
 ) -> None:
-    """Siblings begin, finish or never read, in any order, over a link that drops,
-    duplicates and reorders: no confirmed read overlapped a free, every request ends
-    confirmed, failed or finished, and the holder frees by DONE once they all read."""
+    """Siblings are tracked at any time (with or without the count of readers), begin,
+    finish or never read, in any order, over a link that drops, duplicates and
+    reorders: no confirmed read overlapped a free, every request ends confirmed, failed
+    or finished, and the holder frees the lease once."""
     net = Net(seed=seed)
     net.add_holder("P0")
     net.add_reader("D0")
@@ -247,10 +334,11 @@ def test_property_siblings_never_trust_a_read_overlapping_a_free(
         net.set_link("P0", "D0", faults)
     ticket = net.grant("P0", "p-r")
     ids = [f"c{i}" for i in range(n)]
-    for rid in ids:
-        net.track("D0", rid, ticket)
     reader = net.reader("D0")
-    for rid, (when, reads, leaves) in zip(ids, plan, strict=False):
+    for rid, (track_at, after, reads, leaves) in zip(ids, plan, strict=False):
+
+        def track(rid: str = rid) -> None:
+            net.track("D0", rid, ticket, readers=n if told else 1)
 
         def act(rid: str = rid, reads: bool = reads, leaves: bool = leaves) -> None:
             if not reader.is_tracked(rid):
@@ -260,7 +348,8 @@ def test_property_siblings_never_trust_a_read_overlapping_a_free(
             elif leaves:
                 net.finish("D0", rid)
 
-        net.at(when, act)
+        net.at(track_at, track)
+        net.at(track_at + after, act)
     # vLLM finishes every request in the end (after its read's verdict, or unread).
     net.at(20.0, lambda: [net.finish("D0", rid) for rid in ids])
     net.run_until(80.0)

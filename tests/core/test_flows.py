@@ -1,5 +1,6 @@
 """A holder and a reader end to end, with exact times (default config: 30 s lease,
-5 s interval, 20 s extension, 5 s read margin, 5 s ack timeout, 2 done retries)."""
+5 s interval, 20 s extension, 20 s claim window, 5 s read margin, 5 s ack timeout,
+2 done retries)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from kvproto_transports.loopback import LinkFaults
 
 from .net import Net
 
-DURATION, INTERVAL, EXTENSION = 30.0, 5.0, 20.0
+DURATION, INTERVAL, EXTENSION, GRANT_TTL = 30.0, 5.0, 20.0, 20.0
 
 
 def one_pair(config: LeaseConfig | None = None, *, latency: float = 0.0) -> Net:
@@ -36,11 +37,11 @@ def test_normal_flow_exact_times() -> None:
     net = one_pair()
     lease = granted(net)
     h = net.holder("P0")
-    assert h.deadline(lease) == DURATION  # the grant's own deadline
+    assert h.deadline(lease) == GRANT_TTL  # the grant's own deadline (the claim window)
     net.run_until(22.0)
     # Heartbeats: at Welcome (t=0, vLLM dropped this one), then every interval.
     assert net.arrivals("D0", "P0", wire.Heartbeat) == [0.0, 5.0, 10.0, 15.0, 20.0]
-    # Renewal is max(old, arrival + extension): 30 until the 15 s beat, then 35, 40.
+    # Renewal is max(old, arrival + extension): 20 from the claim at 0, then 25 ... 40.
     assert h.deadline(lease) == 20.0 + EXTENSION
     assert h.lease_state(lease) is LeaseState.HELD
     assert net.reader("D0").state("r1") == {0: ReadState.CLAIMED}
@@ -80,10 +81,10 @@ def test_reader_crash_frees_at_last_heartbeat_plus_extension(crash_at: float) ->
     last_beat = net.arrivals("D0", "P0", wire.Heartbeat)[-1]
     net.crash("D0")
     net.run_until(500.0)
-    expected = max(DURATION, last_beat + EXTENSION)
+    expected = max(GRANT_TTL, last_beat + EXTENSION)
     assert net.freed_leases() == [(expected, lease, "EXPIRED")]
     # Liveness bound: within extension + one tick of the crash (or the grant's own lease).
-    assert expected <= max(DURATION, crash_at + EXTENSION + INTERVAL)
+    assert expected <= max(GRANT_TTL, crash_at + EXTENSION + INTERVAL)
     assert net.holder("P0").live_leases() == 0
 
 
@@ -230,17 +231,19 @@ def test_all_done_frames_lost_fences_without_ack() -> None:
 
 
 def test_lost_heartbeats_within_margin_keep_the_lease() -> None:
+    """Two lost in a row, right after the claim and later: the gap (3 intervals) stays
+    under the extension (spec/timing.md: a fourth tick would arrive at the deadline)."""
     net = one_pair()
     lease = granted(net)
     beats = []
 
-    def drop_three(src: str, dst: str, payload: bytes) -> bool:
+    def drop_two_twice(src: str, dst: str, payload: bytes) -> bool:
         if isinstance(wire.decode(payload), wire.Heartbeat):
             beats.append(net.now)
-            return net.now not in (5.0, 10.0, 15.0)
+            return net.now not in (5.0, 10.0, 25.0, 30.0)
         return True
 
-    net.frame_filter = drop_three
+    net.frame_filter = drop_two_twice
     net.run_until(60.0)
     assert net.freed == []
     assert net.holder("P0").deadline(lease) == 60.0 + EXTENSION
@@ -253,7 +256,7 @@ def test_lost_heartbeats_beyond_margin_expire_and_reader_learns() -> None:
         not (isinstance(wire.decode(p), wire.Heartbeat) and 5.0 <= net.now <= 25.0)
     )
     net.run_until(40.0)
-    assert net.freed_leases() == [(30.0, lease, "EXPIRED")]
+    assert net.freed_leases() == [(20.0, lease, "EXPIRED")]  # the claim at 0 + extension
     # The 30 s heartbeat no longer matches the holder's view (resync asked); the full
     # list in the next heartbeat is answered "lost": the reader knows one tick later.
     assert net.failures("D0") == [(35.0, "r1", "LEASE_LOST")]
@@ -396,12 +399,12 @@ def test_ticket_of_a_restarted_holder_fails_holder_restarted() -> None:
     net.track("D0", "r1", ticket)
     # The new process knows no old token: it cannot sign an answer to a Hello anchored
     # on one (and an unsigned "restarted" would let anyone fail D's requests). D's
-    # Hellos go unanswered until the ticket's lease is surely over (30 s, drift
-    # included): the next retry, at 35, fails the request. Never read.
-    net.run_until(34.9)
+    # Hellos go unanswered until the ticket's lease is surely over (its 20 s unclaimed,
+    # drift included): the next retry, at 25, fails the request. Never read.
+    net.run_until(24.9)
     assert net.failures("D0") == []
-    net.run_until(36.0)
-    assert net.failures("D0") == [(35.0, "r1", "LEASE_LOST")]
+    net.run_until(26.0)
+    assert net.failures("D0") == [(25.0, "r1", "LEASE_LOST")]
     assert net.confirmed == []
 
 

@@ -181,10 +181,12 @@ def test_forged_frames_for_an_unclaimed_lease_need_the_token() -> None:
     x.heartbeat(claims=[forged(ticket.lease + 100)])
     assert h.stats.unknown_lease == 1
     net.run_until(40.0)
-    # X renewed nothing: D's lease and X's own anchor lease (never claimed) both lapse.
+    # X renewed nothing: D's lease and X's own anchor lease (never claimed) both lapse
+    # at the end of the claim window.
+    grant_ttl = LeaseConfig().grant_ttl
     assert net.freed_leases() == [
-        (30.0, ticket.lease, "EXPIRED"),
-        (30.0, ticket.lease + 1, "EXPIRED"),
+        (grant_ttl, ticket.lease, "EXPIRED"),
+        (grant_ttl, ticket.lease + 1, "EXPIRED"),
     ]
 
 
@@ -434,7 +436,7 @@ def test_fenced_late_read_and_decline_are_counted() -> None:
     net.run_until(60.0)
     net.start_read("D0", "r")
     assert net.reader("D0").stats.declined == 1
-    assert net.freed_leases() == [(30.0, ticket.lease, "EXPIRED")]
+    assert net.freed_leases() == [(25.0, ticket.lease, "EXPIRED")]  # the 5 s beat + 20
 
 
 def test_holder_answers_no_session_to_strangers_and_keeps_going() -> None:

@@ -100,11 +100,11 @@ def test_confirmation_needs_every_holder_rank() -> None:
     net.track("D0", "r", ticket)
     net.run_until(1.0)
     net.set_link("D0", "P1", LinkFaults(drop=1.0))
-    net.run_until(24.0)
-    go = net.start_read("D0", "r", duration=10.0)  # ends at 34; P1's copy ended at 30
+    net.run_until(12.0)
+    go = net.start_read("D0", "r", duration=10.0)  # ends at 22; P1's copy ended at 20
     assert isinstance(go, ReadGo)
     net.run_until(60.0)
-    assert (30.0, ticket.lease, "EXPIRED") in net.freed_leases("P1")
+    assert (20.0, ticket.lease, "EXPIRED") in net.freed_leases("P1")  # claim at 0 + 20
     assert net.confirmed == []
     assert net.failures("D0")[0][1:] == ("r", "FENCED_LATE")
     net.check_no_silent_overlap()

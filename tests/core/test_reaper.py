@@ -41,7 +41,7 @@ def test_58222_heartbeated_head_does_not_strand_silent_leases_behind_it() -> Non
     for i in range(50):
         net.run_until(0.1 * (i + 1))
         t = net.grant("P0", f"p-{i}")
-        silent.append((0.1 * (i + 1), t.lease))
+        silent.append((0.1 * (i + 1), t.lease, i % 2 == 0))
         if i % 2 == 0:
             net.track("E0", f"e{i}", t)  # claimed by E, which then dies
     net.run_until(7.0)
@@ -49,8 +49,11 @@ def test_58222_heartbeated_head_does_not_strand_silent_leases_behind_it() -> Non
     net.run_until(1000.0)
     freed = {lease: (t, reason) for t, lease, reason in net.freed_leases()}
     last_e_beat = net.arrivals("E0", "P0", wire.Heartbeat)[-1]
-    for granted_at, lease in silent:
-        want = max(granted_at + 30.0, last_e_beat + EXTENSION)
+    for granted_at, lease, claimed in silent:
+        # An unclaimed grant lives its claim window; E's leases, its last heartbeat too.
+        want = granted_at + LeaseConfig().grant_ttl
+        if claimed:
+            want = max(want, last_e_beat + EXTENSION)
         assert freed[lease] == (pytest.approx(want), "EXPIRED"), lease
     assert head.lease not in freed
     assert net.holder("P0").lease_state(head.lease) is LeaseState.HELD
@@ -205,8 +208,8 @@ def test_expiring_k_of_n_costs_order_k(counting: CountingHeapq) -> None:
     h = Holder(LeaseConfig(), engine="P", incarnation=1, entropy=counter_entropy())
     n, k = 20_000, 25
     for i in range(n):
-        h.grant(float(i) * 0.001, request_id=f"r{i}")  # due 30.000 .. 49.999
+        h.grant(float(i) * 0.001, request_id=f"r{i}")  # due 20.000 .. 39.999
     before = counting.ops
-    h.handle_timer(30.0 + (k - 1) * 0.001 + 1e-9)
+    h.handle_timer(LeaseConfig().grant_ttl + (k - 1) * 0.001 + 1e-9)
     assert len(ended(h.drain())) == k
     assert counting.pops - 0 <= k + 1 and counting.ops - before <= 2 * k + 2

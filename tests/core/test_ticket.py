@@ -54,7 +54,7 @@ def test_round_trip_through_json() -> None:
 def test_granted_ticket_round_trips() -> None:
     h = Holder(LeaseConfig(), engine="P", incarnation=3, entropy=counter_entropy())
     t = h.grant(100.0, request_id="req")
-    assert t.expires_in == 30.0 and t.deadline == 130.0 and t.lease == 1
+    assert t.expires_in == 20.0 and t.deadline == 120.0 and t.lease == 1  # the claim window
     assert LeaseTicket.from_params(t.to_params()) == t
     turn2 = h.grant(100.0, request_id="req2", ttl=480.0)
     assert turn2.deadline == 580.0 and turn2.lease == 2

@@ -16,11 +16,19 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from examples.pd_cpu.client import metrics
-from examples.pd_cpu.cluster import ModelSpec, baseline_spec, plain_engine
+from examples.pd_cpu.cluster import (
+    Deployment,
+    ModelSpec,
+    baseline_spec,
+    default_layout,
+    free_port,
+    plain_engine,
+)
 
 from .baseline import Baseline
 
@@ -96,6 +104,30 @@ def baseline(
         yield Baseline(url=engine.url, model=str(deploy_model.path), proc=proc)
 
 
+def one_prefill_deployment(
+    model: ModelSpec,
+    workdir: Path,
+    connector: str,
+    *,
+    lease_s: int,
+    decode_seqs: int | None = None,
+    connector_extra: dict[str, Any] | None = None,
+) -> Deployment:
+    """One prefill engine, a decoder and the router on free ports (not started)."""
+    prefills, decode = default_layout(1, base_port=None, decode_seqs=decode_seqs)
+    return Deployment(
+        model,
+        workdir,
+        connector=connector,
+        prefills=prefills,
+        decode=decode,
+        router_port=free_port(),
+        router_metrics_port=free_port(),
+        lease_s=lease_s,
+        connector_extra=connector_extra,
+    )
+
+
 SCRAPE_S = 0.1
 """One metrics scrape of an engine plus wait_for's poll."""
 
@@ -111,15 +143,24 @@ def wait_lost_freed(p_url: str, timeout_s: float = 5.0) -> tuple[float, float]:
     from kvproto_transports.nixl.transport import PROBE_DETECTION_SLACK_S
     from kvproto_vllm.config import DEFAULT_PROBE_INTERVAL_S
 
+    took, gap = wait_p_gauges_zero(p_url, ("leases_held",), timeout_s)
+    return took, DEFAULT_PROBE_INTERVAL_S + PROBE_DETECTION_SLACK_S + gap + SCRAPE_S
+
+
+def wait_p_gauges_zero(
+    p_url: str, gauges: tuple[str, ...], timeout_s: float, poll_s: float = 0.05
+) -> tuple[float, float]:
+    """(seconds until every one of P's ``vllm:kvproto_holder_<gauge>`` reads 0, the longest
+    gap between P's pumps meanwhile, from its own gauge): P frees only inside a pump."""
     gaps = [0.0]
 
-    def freed() -> bool:
+    def zero() -> bool:
         m = metrics(p_url)
         gaps.append(m.get("vllm:kvproto_worker_pump_gap_ms_max", 0.0) / 1000.0)
-        return m.get("vllm:kvproto_holder_leases_held", 0.0) == 0
+        return all(m.get(f"vllm:kvproto_holder_{g}", 0.0) == 0 for g in gauges)
 
-    took = wait_for(freed, timeout_s)
-    return took, DEFAULT_PROBE_INTERVAL_S + PROBE_DETECTION_SLACK_S + max(gaps) + SCRAPE_S
+    took = wait_for(zero, timeout_s, poll_s=poll_s)
+    return took, max(gaps)
 
 
 def wait_for(check: Callable[[], bool], timeout_s: float, poll_s: float = 0.05) -> float:

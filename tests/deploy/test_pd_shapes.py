@@ -39,12 +39,16 @@ from examples.pd_cpu.client import Answer, RequestFailed, chat, complete, metric
 from examples.pd_cpu.cluster import (
     Deployment,
     ModelSpec,
-    default_layout,
-    free_port,
 )
 
 from .baseline import Baseline
-from .conftest import FIGURES, require_deployment, wait_for, wait_lost_freed
+from .conftest import (
+    FIGURES,
+    one_prefill_deployment,
+    require_deployment,
+    wait_for,
+    wait_lost_freed,
+)
 
 require_deployment()
 
@@ -111,16 +115,8 @@ def _counter(url: str, name: str) -> float:
 
 
 def _serve(connector: str, model: ModelSpec, workdir: Path, *, kill: bool) -> Outcome:
-    prefills, decode = default_layout(1, base_port=None, decode_seqs=1 if kill else None)
-    deployment = Deployment(
-        model,
-        workdir / connector,
-        connector=connector,
-        prefills=prefills,
-        decode=decode,
-        router_port=free_port(),
-        router_metrics_port=free_port(),
-        lease_s=LEASE_S,
+    deployment = one_prefill_deployment(
+        model, workdir / connector, connector, lease_s=LEASE_S, decode_seqs=1 if kill else None
     )
     out = Outcome()
     path = str(model.path)

@@ -42,6 +42,7 @@ ROWS: tuple[TableRow, ...] = (
     TableRow("decode-crash", "reclaim_s", "silent kill -9", "reclaim"),
     TableRow("decode-crash-reported", "reclaim_s", "kill -9, PEER_LOST after 1 s", "reclaim"),
     TableRow("decode-overload", "premature_frees", "queues up to 10x the lease", "premature frees"),
+    TableRow("router-drop", "reclaim_s", "10% dropped before D", "stranded"),
     TableRow("slow-forward", "overlapped_reads", "1-20 s steps", "used freed"),
     TableRow("lossy", "overlapped_reads", "5% drop/dup/reorder", "used freed"),
     TableRow("clock-skew", "overlapped_reads", "±1 h, 200 ppm", "used freed"),

@@ -162,9 +162,9 @@ def test_partition_longer_than_the_extension_frees_by_expiry_and_fences(world: W
     until(lambda: {"p-b1", "p-b2"} <= set(w.freed()), long_s, every_s=0.05)
     freed = w.freed()
     reclaim = max(freed[p][0] for p in ("p-b1", "p-b2")) - cut
-    # spec/timing.md: freed at max(t_last + e, grant + d), t_last <= cut, plus one holder step.
+    # spec/timing.md: freed at max(t_last + e, grant + w), t_last <= cut, plus one holder step.
     last_grant = max(w.granted_at[r] for r in ("b1", "b2"))
-    bound = max(cfg.lease_extension, last_grant + cfg.kv_lease_duration - cut) + STEP_SLACK_S
+    bound = max(cfg.lease_extension, last_grant + cfg.grant_ttl - cut) + STEP_SLACK_S
     assert reclaim <= bound, (reclaim, bound, freed)
     during = w.attempt("b1")  # D's bound has lapsed too: it must not read
     assert during != "ReadGo"

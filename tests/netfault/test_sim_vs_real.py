@@ -6,7 +6,7 @@ The real run (test_lease_faults.py, partition longer than the extension):
 loopback network) runs that schedule between D1 and P1 with the same lease
 configuration, and every lease P1 held for D1 across the cut is compared
 with the spec's rule, which the real run's reclaim meets too:
-``freed at max(t_last + e, grant + d)`` (spec/timing.md), within one holder
+``freed at max(t_last + e, grant + w)`` (spec/timing.md), within one holder
 step. What the simulator does not model is printed beside it: its network
 heals at once, a TCP connection does not (spec/fault-testing.md).
 """
@@ -48,7 +48,7 @@ def _policy(cfg: LeaseConfig) -> Policy:
     return Policy(
         name="kvproto-6s",
         summary="kvproto with the network-fault tests' 6 s leases",
-        turn1_ttl=cfg.kv_lease_duration,
+        turn1_ttl=cfg.grant_ttl,
         turn2_ttl=cfg.decoder_kv_blocks_ttl,
         make=make,
     )
@@ -87,7 +87,7 @@ def test_simulated_partition_reclaims_where_the_rule_says(
     # Every lease held across a cut longer than e ends by expiry, never later than the rule.
     assert {e.reason for e in across} == {"expired"}
     for e in across:
-        bound = max(cfg.lease_extension, e.granted + cfg.kv_lease_duration - CUT)
+        bound = max(cfg.lease_extension, e.granted + cfg.grant_ttl - CUT)
         assert e.ended - CUT <= bound + STEP_TOLERANCE_S, (e, bound)
     # The real run's leases were granted 1-2 s before the cut (two heartbeats seen).
     like_real = [e for e in across if 1.0 <= CUT - e.granted <= 2.0]
@@ -103,7 +103,7 @@ def test_simulated_partition_reclaims_where_the_rule_says(
         f"\nsimulator, {LENGTH:g} s partition D1-P1 with 6 s leases: {len(across)} leases held "
         f"across the cut, all freed by expiry (premature {result.metrics['premature_frees']}); "
         f"reclaim after the cut of those granted 1-2 s before it: {reclaims} s "
-        f"(rule: max(e, grant + d - cut)); D1's first read of P1 after the heal done "
+        f"(rule: max(e, grant + w - cut)); D1's first read of P1 after the heal done "
         f"{(served_after[0] - heal) if served_after else float('nan'):.2f} s after it, "
         f"{len(lost_after)} of {len(after)} leases granted after the heal not freed by done"
     )

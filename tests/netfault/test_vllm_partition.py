@@ -196,7 +196,7 @@ def test_partition_while_requests_queue_on_d(
         assert time.monotonic() < deadline, "P's blocks did not all return"
         time.sleep(0.2)
     reclaim = max(h[0] for h in held.values() if h is not None) - cut
-    # Granted and last heartbeat before the cut: freed by max(t_last + e, grant + d) <= cut + d
+    # Granted and last heartbeat before the cut: freed by max(t_last + e, grant + w) <= cut + d
     # (one engine step of slack; the worker's events use this host's monotonic clock).
     assert reclaim <= LEASE + 0.5, reclaim
     print(

@@ -154,7 +154,9 @@ def test_silent_reader_loss_frees_at_last_heartbeat_plus_extension() -> None:
 def _stalled_reader(until: float) -> World:
     w = World()
     assert w.p.holder is not None and w.d.reader is not None
-    ticket = w.p.holder.grant(0.0, request_id="p-1")
+    # A grant of the whole lease (30 s), not the default claim window (20 s): its own
+    # deadline then outlives the session's renewal below.
+    ticket = w.p.holder.grant(0.0, request_id="p-1", ttl=30.0)
     w.run(1.0)
     w.d.reader.track(1.0, request_id="d-1", ticket=ticket)
     w.run(2.0)

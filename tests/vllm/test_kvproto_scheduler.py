@@ -34,6 +34,7 @@ require_vllm()
 
 from kvproto.ticket import PARAMS_KEY, LeaseTicket  # noqa: E402
 from kvproto_vllm.metadata import KvprotoMetadata  # noqa: E402
+from kvproto_vllm.producer import READERS_KEY  # noqa: E402
 
 from .kvproto_config import kvproto_config  # noqa: E402
 
@@ -168,7 +169,8 @@ def _producer_flow(model: Path) -> dict[str, Any]:
     ticket = LeaseTicket.from_params(params[PARAMS_KEY])
     assert ticket.holder_engine == conn.engine_id
     assert ticket.holder_incarnation == meta.incarnation
-    assert ticket.request_id == "p1" and ticket.expires_in == 30
+    # Unclaimed, the lease lives the claim window (the extension of the 30 s lease).
+    assert ticket.request_id == "p1" and ticket.expires_in == 20
     # Delayed free: the finished request keeps its blocks.
     assert "p1" in sched.requests
     assert free_blocks(sched) == free0 - 4
@@ -228,6 +230,19 @@ def test_parallel_sampling_children_share_one_lease(tiny_model_dir: Path) -> Non
     assert free_blocks(sched) == free0 - 2 * 4  # two leases' blocks held, not four
     state = conn.debug_state()
     assert state["granted"] == 2 and state["shared_children"] == 2
+    # Each child's params count the children answered so far: the last, which vLLM
+    # forwards, names all three, and the decoder's children tell their reader so.
+    forwarded = outs[f"2_{parent}"].kv_transfer_params
+    assert [outs[f"{i}_{parent}"].kv_transfer_params[READERS_KEY] for i in range(3)] == [1, 2, 3]
+    decoder = make_scheduler(tiny_model_dir, "kv_consumer")
+    for index in range(3):
+        decoder.add_request(
+            request(f"{index}_{parent}", max_tokens=4, params=copy.deepcopy(forwarded))
+        )
+    meta, _, _ = step(decoder)
+    assert [(t.request_id, t.readers) for t in meta.tracks] == [
+        (f"{index}_{parent}", 3) for index in range(3)
+    ]
 
 
 def test_consumer_tracks_from_enqueue(tiny_model_dir: Path, prefill_params: dict[str, Any]) -> None:
@@ -452,7 +467,7 @@ def test_prefill_reads_turn2_prefix(tiny_model_dir: Path, turn2_params: dict[str
     assert params["do_remote_decode"] is False
     assert params["remote_num_tokens"] == len(prompt)
     ticket = LeaseTicket.from_params(params[PARAMS_KEY])
-    assert ticket.expires_in == 30 and ticket.holder_engine == conn.engine_id
+    assert ticket.expires_in == 20 and ticket.holder_engine == conn.engine_id  # claim window
     meta, _, _ = step(sched)
     assert [g.request_id for g in meta.grants] == ["t2"]
     assert conn.debug_state()["tracked"] == 0

@@ -22,6 +22,7 @@ EXTRA_KEYS = (
     "recomputed",
     "corrupted",
     "lost",
+    "dropped",
     "turn2",
     "handshakes",
     "handshakes_failed",
@@ -36,6 +37,7 @@ class Books:
         "clock",
         "crash_holds",
         "crash_time",
+        "drops",
         "extra",
         "faults_pending",
         "held_blocks",
@@ -70,6 +72,8 @@ class Books:
         """When the reader crash of the scenario happened (reclaim_s)."""
         self.crash_holds: list[Hold] = []
         """The holds the crashed reader was going to read (reclaim_s)."""
+        self.drops: list[tuple[float, Hold]] = []
+        """(when, hold) of every request the router dropped before its reader (reclaim_s)."""
 
     def note(self, text: str) -> None:
         """Add an event to the trace ring."""

@@ -120,6 +120,10 @@ class RequestView(GrantView, HasScenario, Protocol):
     """The reader's part of a request's life: track, read, use or recompute, then decode."""
 
 
+class PrefillView(GrantView, HasScenario, HasLiveness, Protocol):
+    """A prefill finishes: its blocks are granted and the request routed, or dropped."""
+
+
 class CopyView(LedgerView, HasFabric, HasLiveness, Protocol):
     """The ledger and the network: a read's data arrived (and, with liveness, L2 is due)."""
 

@@ -354,6 +354,10 @@ class Simulator:
         if books.crash_time is not None:
             ends = [h.ended_at if h.ended_at is not None else end for h in books.crash_holds]
             books.metrics.reclaim_s = max(ends, default=books.crash_time) - books.crash_time
+        if books.drops:
+            books.metrics.reclaim_s = max(
+                (h.ended_at if h.ended_at is not None else end) - t for t, h in books.drops
+            )
         for eng in self.cluster.engines.values():
             self._count(eng.side)
         extra = books.extra

@@ -22,8 +22,9 @@ HOLD = (
 FIGURES: dict[str, str] = {
     "reclaim_s": (
         "with a decoder crash: seconds from the crash until every hold that the crashed "
-        "decoder was going to read had ended (if one never ends: until the run's end); "
-        "'-' (JSON null) in a scenario without a crash. With several seeds: the mean, and "
+        "decoder was going to read had ended (if one never ends: until the run's end); with "
+        "router drops: the longest a dropped request's hold lasted after its drop; "
+        "'-' (JSON null) in a scenario without either. With several seeds: the mean, and "
         "the worst seed in brackets."
     ),
     "dead_block_seconds": (

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
         FreeView,
         GrantView,
         LedgerView,
+        PrefillView,
         RequestView,
         WakeView,
     )
@@ -46,7 +47,7 @@ def prefill_arrival(ctx: WakeView, a: Arrival) -> None:
     ctx.steps.request_wake(eng, ctx.clock.t)
 
 
-def prefill_work(ctx: GrantView, eng: EngineState, now: float) -> None:
+def prefill_work(ctx: PrefillView, eng: EngineState, now: float) -> None:
     """Finish the running prefill (grant its blocks) and start the next one."""
     t = ctx.clock.t
     if eng.current is not None and eng.busy_until is not None and t >= eng.busy_until:
@@ -101,7 +102,7 @@ def new_hold(
 
 
 def prefill_done(
-    ctx: GrantView, eng: EngineState, now: float, a: Arrival, blocks: list[int]
+    ctx: PrefillView, eng: EngineState, now: float, a: Arrival, blocks: list[int]
 ) -> None:
     """Prefill finished: grant the blocks and send the request to a decoder."""
     hold = new_hold(
@@ -124,8 +125,28 @@ def prefill_done(
     if reader is None:
         lose(ctx, req)
         return
+    if a.dropped:
+        ctx.clock.at(ctx.clock.t + ctx.settings.proxy_delay, lambda: drop(ctx, req))
+        return
     req.reader = reader
     ctx.clock.at(ctx.clock.t + ctx.settings.proxy_delay, lambda: reader_arrival(ctx, req))
+
+
+def drop(ctx: PrefillView, req: Req) -> None:
+    """The router drops the request on its way to the decoder: nobody will claim it."""
+    hold = req.hold
+    req.state = ReqState.LOST
+    mark_dead(hold, ctx.clock.t)
+    ctx.books.extra["dropped"] += 1
+    ctx.books.drops.append((ctx.clock.t, hold))
+    ctx.books.note(f"router drops {req.key[:18]}")
+    request_done(ctx, req)
+    eng = hold.engine
+    if ctx.scenario.router_release and eng.alive and hold.ended_at is None:
+        eng.side.release(eng.clock.local(ctx.clock.t), hold)
+        ctx.steps.effects(eng)
+    if ctx.liveness:
+        checks.check_l1(ctx, hold)
 
 
 def rank_freed(ctx: FreeView, eng: EngineState, rank: int, key: str, reason: str) -> None:

@@ -84,6 +84,14 @@ class KvprotoSide(Side):
         self._lease_of[hold.key] = ticket.lease
         return ticket
 
+    def release(self, now: float, hold: HeldBlocks) -> None:
+        lease = self._lease_of.get(hold.key)
+        if lease is None:
+            return
+        for rank, holder in enumerate(self.holders):
+            holder.revoke(now, lease)
+            self._absorb(rank, self.bindings[rank].step(now))
+
     def _absorb(self, rank: int, res: StepResult) -> None:
         fx = self.effects
         for fb in res.freed:

@@ -45,7 +45,8 @@ def _vllm(config: VllmLeaseConfig) -> SideFactory:
 
 
 KVPROTO_CONFIG = LeaseConfig(max_notification_size=MAX_NOTIFICATION)
-"""kvproto at its defaults (30 s lease, 5 s interval, 20 s extension, 480 s turn-2 TTL)."""
+"""kvproto at its defaults (30 s lease, 5 s interval, 20 s extension, grants unclaimed
+for at most 20 s, 480 s turn-2 TTL)."""
 
 
 def _kvproto(transports: list[SimTransport], name: str, incarnation: int, seed: str) -> Side:
@@ -102,7 +103,7 @@ POLICIES: dict[str, Policy] = {
         Policy(
             name="kvproto",
             summary="kvproto's core: sessions, fenced reads, distinct consumers",
-            turn1_ttl=KVPROTO_CONFIG.kv_lease_duration,
+            turn1_ttl=KVPROTO_CONFIG.grant_ttl,
             turn2_ttl=KVPROTO_CONFIG.decoder_kv_blocks_ttl,
             make=_kvproto,
         ),

@@ -21,7 +21,8 @@ from kvproto_tools.sim.scenarios import SCENARIOS
 LABELS: dict[str, tuple[str, str]] = {
     "reclaim_s": (
         "reclaim s",
-        "seconds from a decode crash until all of the dead decoder's blocks were freed",
+        "seconds from a decode crash (or a router's drop) until the blocks nobody will read "
+        "were freed",
     ),
     "dead_block_seconds": (
         "dead blk·s",

@@ -88,6 +88,13 @@ class Scenario:
     """Fraction of requests with a second turn whose KV blocks the decoder holds."""
     think_mean: float = 240.0
     """Mean client think time before turn 2, seconds (exponential)."""
+    drop_fraction: float = 0.0
+    """Fraction of granted requests the router drops before they reach a decoder (it
+    fails them, or their client leaves, between the prefill's answer and the decoder):
+    nobody will claim their leases."""
+    router_release: bool = False
+    """The router hands the holder the ticket of each request it drops (a release path no
+    router offers today; spec/timing.md weighs it against the claim window)."""
 
 
 _SKEW = {
@@ -171,6 +178,12 @@ SCENARIOS: dict[str, Scenario] = {
             queue_wait=QueueWait(kind="exp", a=5.0, b=60.0),
             clocks=_SKEW,
             turn2_fraction=0.5,
+        ),
+        Scenario(
+            name="router-drop",
+            summary="the router drops 10% of granted requests before they reach a decoder",
+            headline="reclaim_s",
+            drop_fraction=0.1,
         ),
         Scenario(
             name="bidirectional",

@@ -175,6 +175,9 @@ class Side(ABC):
         """The reader rank's lower bound on the holder's deadline (kvproto only)."""
         return None
 
+    def release(self, now: float, hold: HeldBlocks) -> None:  # noqa: B027 (a no-op default)
+        """A router says nobody will read ``hold`` (no path for it in vLLM's leases)."""
+
     @property
     def uses_fence(self) -> bool:
         """Whether loaded blocks are used only after the holder confirmed the lease."""

@@ -42,6 +42,8 @@ class Arrival:
     """Client think time before turn 2, seconds."""
     turn2_prefill: int
     """Preferred prefill engine for turn 2."""
+    dropped: bool
+    """The router drops it between the prefill's answer and the decoder."""
 
 
 def prompt_blocks(tokens: int) -> int:
@@ -80,5 +82,7 @@ def generate(
                 turn2=rng.random() < scenario.turn2_fraction,
                 think=rng.expovariate(1.0 / scenario.think_mean),
                 turn2_prefill=rng.randrange(n_prefill),
+                # Drawn only where drops happen: every other scenario's draws stay as they were.
+                dropped=scenario.drop_fraction > 0 and rng.random() < scenario.drop_fraction,
             )
         )
