@@ -12,11 +12,10 @@ from __future__ import annotations
 import multiprocessing
 from typing import Any
 
+from kvproto_tools.netns import spawn_in
 from kvproto_transports.testing import serve
 from tests.transports.nixl.lease_node import LeaseNode
 from tests.transports.nixl.node import NodeProcess
-
-from .netns import spawn_in
 
 NODE_CLS = {
     "nixl": "tests.netfault.nodes:NetLeaseNode",
