@@ -24,7 +24,7 @@ import shutil
 import socket
 import subprocess
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 PREFIX = "kvnf"
@@ -111,14 +111,36 @@ def remove_stale() -> list[str]:
 
 def enter(netns: str) -> None:
     """Move the calling thread into namespace ``netns`` (``setns(CLONE_NEWNET)``)."""
-    libc = ctypes.CDLL(None, use_errno=True)
     fd = os.open(os.path.join(_NETNS_DIR, netns), os.O_RDONLY)
     try:
-        if libc.setns(fd, _CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"setns({netns}): {os.strerror(err)}")
+        _setns(fd, netns)
     finally:
         os.close(fd)
+
+
+def _setns(fd: int, what: str) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, _CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"setns({what}): {os.strerror(err)}")
+
+
+@contextlib.contextmanager
+def inside(netns: str) -> Iterator[None]:
+    """The calling thread in namespace ``netns`` for the block, back in its own after.
+
+    Threads and processes the block starts begin in ``netns`` too (a new task takes
+    its creator's namespaces), so a client thread pool made inside talks to the
+    servers of that namespace."""
+    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    try:
+        enter(netns)
+        try:
+            yield
+        finally:
+            _setns(own, "back to the thread's own namespace")
+    finally:
+        os.close(own)
 
 
 def socket_in(netns: str, family: int, kind: int) -> socket.socket:
@@ -190,3 +212,18 @@ def spawn_in(
     )
     proc.start()
     return proc
+
+
+def transport_env(ifname: str) -> dict[str, str]:
+    """UCX (NIXL's backend too) over TCP on the namespace's link only.
+
+    Without ``UCX_TLS=tcp`` UCX would pick shared memory or CMA, which cross
+    network namespaces (they share /dev/shm and the pid space) and would
+    bypass the faulty link; ``UCX_NET_DEVICES`` keeps it off ``lo``.
+    """
+    return {
+        "UCX_TLS": "tcp",
+        "UCX_NET_DEVICES": ifname,
+        "UCX_WARN_UNUSED_ENV_VARS": "n",
+        "KVPROTO_NIXL_PROGRESS_THREAD": "0",
+    }
