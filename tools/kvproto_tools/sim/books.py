@@ -36,6 +36,7 @@ class Books:
         "clock",
         "crash_holds",
         "crash_time",
+        "ended",
         "extra",
         "faults_pending",
         "held_blocks",
@@ -47,7 +48,7 @@ class Books:
         "timeline",
     )
 
-    def __init__(self, clock: Agenda, *, record_timeline: bool) -> None:
+    def __init__(self, clock: Agenda, *, record_timeline: bool, hold_log: bool = False) -> None:
         self.clock = clock
         self.metrics = Metrics()
         """The figures (JSON ``metrics``)."""
@@ -70,6 +71,8 @@ class Books:
         """When the reader crash of the scenario happened (reclaim_s)."""
         self.crash_holds: list[Hold] = []
         """The holds the crashed reader was going to read (reclaim_s)."""
+        self.ended: list[Hold] | None = [] if hold_log else None
+        """Every hold that ended, in order, when kept (``Simulator(hold_log=True)``)."""
 
     def note(self, text: str) -> None:
         """Add an event to the trace ring."""

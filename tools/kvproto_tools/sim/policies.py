@@ -48,8 +48,19 @@ KVPROTO_CONFIG = LeaseConfig(max_notification_size=MAX_NOTIFICATION)
 """kvproto at its defaults (30 s lease, 5 s interval, 20 s extension, 480 s turn-2 TTL)."""
 
 
-def _kvproto(transports: list[SimTransport], name: str, incarnation: int, seed: str) -> Side:
-    return KvprotoSide(transports, name, incarnation, KVPROTO_CONFIG, seed)
+def kvproto_policy(config: LeaseConfig, *, name: str, summary: str) -> Policy:
+    """kvproto's core with ``config`` (the default policy, or a real run's lease settings)."""
+
+    def make(transports: list[SimTransport], engine: str, incarnation: int, seed: str) -> Side:
+        return KvprotoSide(transports, engine, incarnation, config, seed)
+
+    return Policy(
+        name=name,
+        summary=summary,
+        turn1_ttl=config.kv_lease_duration,
+        turn2_ttl=config.decoder_kv_blocks_ttl,
+        make=make,
+    )
 
 
 POLICIES: dict[str, Policy] = {
@@ -99,12 +110,10 @@ POLICIES: dict[str, Policy] = {
             turn2_ttl=480.0,
             make=_vllm(VllmLeaseConfig()),
         ),
-        Policy(
+        kvproto_policy(
+            KVPROTO_CONFIG,
             name="kvproto",
             summary="kvproto's core: sessions, fenced reads, distinct consumers",
-            turn1_ttl=KVPROTO_CONFIG.kv_lease_duration,
-            turn2_ttl=KVPROTO_CONFIG.decoder_kv_blocks_ttl,
-            make=_kvproto,
         ),
     )
 }
