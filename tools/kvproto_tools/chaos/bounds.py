@@ -46,6 +46,12 @@ class Terms:
     """One sample period plus the longest scrape near the fault: how late the run sees it."""
 
 
+PLANNING_TERMS = Terms(pump_gap_s=2.0, scrape_s=1.0)
+"""What a run allows for the measured terms before it has measured them: how long it waits
+after a fault before the next, and which samples are out of every fault's reach (the
+checker uses what was measured)."""
+
+
 def lease_timing(lease_s: float) -> LeaseConfig:
     """The lease configuration the engines run with (d, and i and e derived from it)."""
     return LeaseConfig(kv_lease_duration=lease_s)

@@ -72,6 +72,11 @@ EXPLAINS: dict[str, frozenset[str]] = {
 RSS_GROWTH_LIMIT = 0.001
 """Memory may not grow faster than this share of itself per minute (6 % an hour) at the
 lower end of its slope's interval."""
+TEAR_S = 10.0
+"""How long a prefill engine's lease counters may disagree with its gauges before it counts
+as a lease ended twice or lost: a scrape can read the gauges of a stats report before its
+counters (seen up to 1.8 s in a run; the worker reports at least once a second while it
+steps); a real double end or a lost lease keeps them apart for good."""
 JUDGED_SPAN_S = 300.0
 """A memory slope over less steady time than this is printed, not judged: an engine's
 first minutes of serving grow its memory (allocator pools, compiled kernels)."""
@@ -107,6 +112,9 @@ class Reclaim(msgspec.Struct, frozen=True, kw_only=True):
     """Kill of D: to P's held leases all gone; long partition: to the cut-off P's."""
     freed_bound_s: float | None = None
     """The bound on ``freed_s`` (PEER_LOST detection, or the liveness bound)."""
+    held_at_start: float = 0.0
+    """Kill of D, long partition: claimed leases on the prefill engine(s) it cut off, in the
+    last sample before it (``freed_s`` is only measured when there were some)."""
 
 
 class Verdict(msgspec.Struct, kw_only=True):
@@ -234,6 +242,27 @@ def _counter(p: Point, reason: str) -> float:
     return p.metrics.get(f"{HOLDER}{reason}_total", 0.0)
 
 
+def _conservation(name: str, inc: int, points: list[Point], *, final: float) -> Iterator[Violation]:
+    """Grants = ends + live leases, but for a scrape that caught the gauges before the
+    counters: a lease ended twice or lost keeps the count off from then on."""
+    off_since: float | None = None
+    for p in points:
+        off = _unbalanced(p)
+        if not off:
+            off_since = None
+            continue
+        off_since = p.t if off_since is None else off_since
+        if p.t - off_since > TEAR_S or p.t == final:
+            yield Violation(
+                check="leases",
+                t=p.t,
+                detail=f"{name}#{inc}: {_counter(p, 'grants'):.0f} granted, {off:+.0f} against "
+                f"the ends and the live gauges since {off_since:.2f} s: a lease ended twice "
+                "or never",
+            )
+            return
+
+
 def _unbalanced(p: Point) -> float:
     """Grants minus every end and every live lease (0: each lease ended at most once)."""
     live = p.metrics.get(f"{HOLDER}leases_held", 0.0) + p.metrics.get(
@@ -264,18 +293,7 @@ def check_leases(history: History, verdict: Verdict) -> Iterator[Violation]:
     for (name, inc), points in incarnations(history).items():
         if name not in PREFILLS:
             continue
-        off = [p for p in points if _unbalanced(p)]
-        for p in off:
-            # One scrape can fall between the counters' and the gauges' update (seen once
-            # in ~700 samples); a lease ended twice or lost stays off, from then on.
-            if p is points[-1] or points[points.index(p) + 1] in off:
-                yield Violation(
-                    check="leases",
-                    t=p.t,
-                    detail=f"{name}#{inc}: {_counter(p, 'grants'):.0f} granted, "
-                    f"{_unbalanced(p):+.0f} against the ends and the live gauges "
-                    "two samples running: a lease ended twice or never",
-                )
+        yield from _conservation(name, inc, points, final=history.samples[-1].t1)
         for before, after in itertools.pairwise(points):
             for reason, spans in windows.items():
                 grew = _counter(after, reason) - _counter(before, reason)
@@ -348,7 +366,7 @@ def check_reclaims(history: History, verdict: Verdict) -> Iterator[Violation]:
 
 def _freed(history: History, done: Injected) -> dict[str, float]:
     """Kill of D: when P's claimed leases were all gone; a partition past the lease: when
-    the cut-off prefill engine's were. Empty for other faults (or when never seen)."""
+    the cut-off prefill engine's were (measured only when some were held as it began)."""
     fault = done.fault
     lease_s = history.plan.lease_s
     engines: tuple[str, ...]
@@ -358,18 +376,20 @@ def _freed(history: History, done: Injected) -> dict[str, float]:
         engines = fault.target[:1]
     else:
         return {}
+    before = [s for s in history.samples if s.t1 <= done.start]
+    at_start = held(before[-1], engines) if before else 0.0
     gone = next(
         (s.t1 for s in history.samples if s.t0 >= done.start and held(s, engines) == 0), None
     )
-    if gone is None:
-        return {}
+    if not at_start or gone is None:
+        return {"held_at_start": at_start}
     terms = _terms(history, done.start, gone)
     if fault.kind == "kill-decode":
         bound = peer_lost_s(terms)
     else:
         # Liveness: freed by max(t_last + e, grant + d) <= cut + d, one pump gap, one scrape.
         bound = lease_s + terms.pump_gap_s + terms.scrape_s
-    return {"freed_s": gone - done.start, "freed_bound_s": bound}
+    return {"freed_s": gone - done.start, "freed_bound_s": bound, "held_at_start": at_start}
 
 
 def check_end_state(history: History) -> Iterator[Violation]:
@@ -420,6 +440,8 @@ def check_growth(history: History, verdict: Verdict) -> Iterator[Violation]:
             break
         for e in s.engines:
             key = (e.name, e.incarnation)
+            if e.metrics is None and key not in first:
+                continue  # not serving yet: its steady time starts once it answers
             start = first.setdefault(key, s.t0)
             if s.t0 < max(start + STEADY_AFTER_S, history.warmup_s):
                 continue

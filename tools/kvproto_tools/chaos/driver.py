@@ -28,7 +28,7 @@ import msgspec
 
 from kvproto_tools.bench.engine_suites import pd_cpu
 from kvproto_tools.chaos import baseline
-from kvproto_tools.chaos.bounds import Terms, orphan_s, settle_s
+from kvproto_tools.chaos.bounds import PLANNING_TERMS, orphan_s, settle_s
 from kvproto_tools.chaos.history import History, Sent
 from kvproto_tools.chaos.inject import Injector
 from kvproto_tools.chaos.lan import BACK, Lan
@@ -42,9 +42,6 @@ ENGINE_PORT, SIDE_CHANNEL_PORT = 8100, 5600
 ROUTER_PORT, ROUTER_METRICS_PORT = 8000, 29000
 HISTORY_FILE, BASELINE_FILE = "history.json", "baseline.json"
 """What a run leaves in its output folder for the checker (besides the report and plot)."""
-PLANNING_TERMS = Terms(pump_gap_s=2.0, scrape_s=1.0)
-"""What the run allows for the measured terms when it plans how long to wait after a
-fault (the checker uses what was measured)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

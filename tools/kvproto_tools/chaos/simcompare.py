@@ -6,9 +6,9 @@ settings, its request rate, and its faults at the times the run applied them:
 a kill and the restart at the moment the real engine was healthy again, a cut
 and its heal, a loss and its end, each link-down of a flap as a cut of that
 host from its fabric peers. Its requests wait on the decoder as long as the
-real run's leases lived on average (Little's law over the samples: mean leases
-on P over the request rate), so about as many leases are live when a fault
-comes.
+real run's leases lived on average away from the faults (Little's law over the
+samples out of every fault's reach: mean leases on P over the request rate),
+so about as many leases are live when a fault comes.
 
 They are compared where they model the same thing:
 
@@ -32,7 +32,7 @@ from collections import Counter
 from statistics import fmean
 
 from kvproto.config import LeaseConfig
-from kvproto_tools.chaos.bounds import lease_timing
+from kvproto_tools.chaos.bounds import PLANNING_TERMS, lease_timing, settle_s
 from kvproto_tools.chaos.checker import Reclaim, Verdict, Violation
 from kvproto_tools.chaos.history import History, Injected
 from kvproto_tools.chaos.schedule import DECODE, PREFILLS
@@ -88,8 +88,16 @@ def _events(done: Injected) -> list[FaultEvent]:
 
 def scenario(history: History) -> Scenario:
     """The run's cluster, load and applied faults as a simulator scenario."""
-    mean_leases = fmean(leases(s) for s in history.samples) if history.samples else 0.0
-    wait = max(SIM_STEP_S, mean_leases / history.rate)
+    lease_s = history.plan.lease_s
+    reach = [
+        (d.start, d.end + settle_s(d.fault, lease_s, PLANNING_TERMS)) for d in history.injected
+    ]
+    steady = [
+        leases(s)
+        for s in history.samples
+        if s.t1 <= history.load_end and not any(a <= s.t1 and s.t0 <= b for a, b in reach)
+    ]
+    wait = max(SIM_STEP_S, (fmean(steady) if steady else 0.0) / history.rate)
     return Scenario(
         name="chaos",
         summary=f"the chaos run of seed {history.plan.seed}, its faults at their real times",
@@ -145,8 +153,8 @@ def compare(history: History, verdict: Verdict) -> tuple[list[str], list[Violati
     lines = [
         f"{result.extra['requests']} requests at {history.rate:g}/s, "
         f"{len(history.injected)} faults at the run's times; decoder queue wait mean "
-        f"{sim.scenario.queue_wait.a:.2f} s (the run's mean lease life); loss reported "
-        f"{DETECTION_S:.2f} s after a death; safety violations "
+        f"{sim.scenario.queue_wait.a:.2f} s (the run's mean lease life away from faults); loss "
+        f"reported {DETECTION_S:.2f} s after a death; safety violations "
         f"{len(result.violations)}, liveness {result.liveness_violations}",
     ]
     violations = [
@@ -164,7 +172,7 @@ def compare(history: History, verdict: Verdict) -> tuple[list[str], list[Violati
     by_index = {r.fault: r for r in verdict.reclaims}
     for done in history.injected:
         real = by_index.get(done.fault.index)
-        line, problem = _one(done, real, holds, lease.lease_extension, lease.heartbeat_interval)
+        line, problem = _one(done, real, holds, lease)
         if line:
             lines.append(line)
         if problem:
@@ -177,12 +185,16 @@ def compare(history: History, verdict: Verdict) -> tuple[list[str], list[Violati
 
 
 def _one(
-    done: Injected, real: Reclaim | None, holds: list[Hold], extension: float, interval: float
+    done: Injected, real: Reclaim | None, holds: list[Hold], lease: LeaseConfig
 ) -> tuple[str, str]:
     """One fault's comparison: (report line, disagreement or "")."""
     f = done.fault
-    if real is None or real.freed_s is None or real.freed_bound_s is None:
+    if real is None or f.kind not in ("kill-decode", "partition"):
         return "", ""
+    if real.freed_s is None or real.freed_bound_s is None:
+        if f.kind == "partition" and f.length_s < lease.kv_lease_duration:
+            return "", ""
+        return f"fault {f.index} {f.kind}: real: no lease claimed as it began, not compared", ""
     engines: tuple[str, ...] = ("P0", "P1")
     reason = "peer-lost"
     if f.kind != "kill-decode":
@@ -208,7 +220,8 @@ def _one(
             )
         return line, ""
     # Held across the cut: freed at max(t_last + e, grant + d), t_last within i of the cut.
-    low, high = extension - interval - SIM_STEP_S, real.freed_bound_s
+    low = lease.lease_extension - lease.heartbeat_interval - SIM_STEP_S
+    high = real.freed_bound_s
     if not low <= sim_freed <= high:
         return line, (
             f"fault {f.index}: the simulator freed the cut-off leases {sim_freed:.2f} s after "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from statistics import NormalDist, fmean
+from statistics import NormalDist
 
 import msgspec
 
@@ -60,15 +60,18 @@ def slope(points: Sequence[tuple[float, float]]) -> Slope | None:
     if t1 <= t0:
         return None
     width = (t1 - t0) / BLOCKS
-    blocks: list[list[tuple[float, float]]] = [[] for _ in range(BLOCKS)]
+    sums = [[0.0, 0.0, 0] for _ in range(BLOCKS)]
     for t, v in points:
-        blocks[min(BLOCKS - 1, int((t - t0) / width))].append((t, v))
-    means = [(fmean(t for t, _ in b), fmean(v for _, v in b)) for b in blocks if b]
+        block = sums[min(BLOCKS - 1, int((t - t0) / width))]
+        block[0] += t
+        block[1] += v
+        block[2] += 1
+    means = [(st / k, sv / k) for st, sv, k in sums if k]
     n = len(means)
     if n < MIN_BLOCKS:
         return None
-    tm = fmean(t for t, _ in means)
-    vm = fmean(v for _, v in means)
+    tm = sum(t for t, _ in means) / n
+    vm = sum(v for _, v in means) / n
     sxx = sum((t - tm) ** 2 for t, _ in means)
     b = sum((t - tm) * (v - vm) for t, v in means) / sxx
     residual = sum((v - vm - b * (t - tm)) ** 2 for t, v in means)
@@ -76,7 +79,7 @@ def slope(points: Sequence[tuple[float, float]]) -> Slope | None:
     return Slope(
         per_min=b * 60.0,
         half_width=t_975(n - 2) * stderr * 60.0,
-        mean=fmean(v for _, v in points),
+        mean=sum(v for _, v in points) / len(points),
         span_s=t1 - t0,
         blocks=n,
     )
