@@ -274,14 +274,13 @@ def _unbalanced(p: Point) -> float:
 def _windows(history: History, reason: str) -> list[tuple[float, float]]:
     """The moments that may explain a lease ending for ``reason``."""
     causes = EXPLAINS[reason]
-    lease_s = history.plan.lease_s
     out = [
         (done.start, done.end + _settle_bound(history, done))
         for done in history.injected
         if done.fault.kind in causes
     ]
     if CLIENT in causes:
-        orphan = orphan_s(lease_s, _terms(history, 0.0, history.end))
+        orphan = orphan_bound(history)
         out += [(s.sent, s.ended + orphan) for s in history.sent if s.outcome != "ok"]
     return out
 
@@ -309,6 +308,11 @@ def check_leases(history: History, verdict: Verdict) -> Iterator[Violation]:
     verdict.ended = ended
 
 
+def orphan_bound(history: History) -> float:
+    """How long a failed or hung-up request explains a lease, with the run's measured terms."""
+    return orphan_s(history.plan.lease_s, _terms(history, 0.0, history.end))
+
+
 def _terms(history: History, t0: float, t1: float) -> Terms:
     return Terms(pump_gap_s=pump_gap_s(history, t0, t1), scrape_s=scrape_s(history, t0, t1))
 
@@ -322,9 +326,7 @@ def _settle_bound(history: History, done: Injected) -> float:
 
 def check_reclaims(history: History, verdict: Verdict) -> Iterator[Violation]:
     """After each fault P's leases return to what live requests explain, within bounds."""
-    lease_s = history.plan.lease_s
-    orphan = orphan_s(lease_s, _terms(history, 0.0, history.end))
-    stranded = [(s, n) for s, n in unexplained(history, orphan) if n > 0]
+    stranded = [(s, n) for s, n in unexplained(history, orphan_bound(history)) if n > 0]
     spans = []
     for k, done in enumerate(history.injected):
         bound = _settle_bound(history, done)
@@ -433,6 +435,7 @@ TABLES = (
 def check_growth(history: History, verdict: Verdict) -> Iterator[Violation]:
     """Memory flat once the load is steady; the tables' slopes fitted for the report."""
     rss: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    parts: dict[tuple[str, int, str], list[tuple[float, float]]] = {}
     tables: dict[tuple[str, str, int], list[tuple[float, float]]] = {}
     first: dict[tuple[str, int], float] = {}
     for s in history.samples:
@@ -447,6 +450,8 @@ def check_growth(history: History, verdict: Verdict) -> Iterator[Violation]:
                 continue
             if e.rss_bytes is not None:
                 rss.setdefault(key, []).append((s.t0, float(e.rss_bytes)))
+            for part, size in (e.rss_parts or {}).items():
+                parts.setdefault((e.name, e.incarnation, part), []).append((s.t0, float(size)))
             for table in TABLES:
                 if e.metrics is not None and table in e.metrics:
                     tables.setdefault((table, e.name, e.incarnation), []).append(
@@ -464,6 +469,10 @@ def check_growth(history: History, verdict: Verdict) -> Iterator[Violation]:
                 detail=f"{name}#{inc} memory grows {fit.per_min / 2**20:.2f} "
                 f"± {fit.half_width / 2**20:.2f} MiB/min (of {fit.mean / 2**20:.0f} MiB)",
             )
+    for (name, inc, part), points in parts.items():
+        fit = slope(points)
+        if fit is not None and f"rss {name}#{inc}" in verdict.slopes:
+            verdict.slopes[f"rss {name}#{inc} {part}"] = fit  # where it grows, not judged
     for (table, name, inc), points in tables.items():
         fit = slope(points)
         if fit is not None:

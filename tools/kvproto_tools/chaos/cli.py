@@ -12,10 +12,12 @@ from __future__ import annotations
 import argparse
 import re
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from types import FrameType
 from typing import NoReturn
 
 import msgspec
@@ -153,6 +155,10 @@ def _options(args: argparse.Namespace) -> driver.Options:
     return options
 
 
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``kvproto chaos``; 0 when the checker is clean, 1 on a violation, 2 on a usage error."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -171,7 +177,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         outcome = driver.load(out)
     else:
         out.mkdir(exist_ok=True)
-        outcome = driver.run(options, say)
+        # SIGTERM as Ctrl-C: every process tree stopped and every namespace deleted on the way.
+        signal.signal(signal.SIGTERM, _interrupt)
+        try:
+            outcome = driver.run(options, say)
+        except KeyboardInterrupt:
+            print("kvproto chaos: interrupted; everything it started is stopped", file=sys.stderr)
+            return 130
     say("checking the history; the simulator runs the same schedule")
     verdict = check(outcome.history, outcome.expected)
     lines, disagreements = compare(outcome.history, verdict)

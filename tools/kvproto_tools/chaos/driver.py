@@ -200,6 +200,8 @@ class _Run:
             incarnation=incarnation,
             scheduled=scheduled,
             start_error=cluster.DeploymentError,
+            wait_healthy=cluster.wait_healthy,
+            stopping=self.stop,
         )
         self.load = Load(client, dep.router_url, str(dep.model.path), self.clock, self.record)
         self.restart_s = max(dep.startup_s.get(n, 0.0) for n in HOST_OF)
@@ -232,7 +234,8 @@ class _Run:
         finally:
             self.stop.set()
             self.load.stopped.set()
-            faults.join(timeout=300.0)
+            # A restart under way ends with it (the deployment's stop kills what it started).
+            faults.join(timeout=5.0)
             self.monitor.stop()
 
     def fault_loop(self) -> None:

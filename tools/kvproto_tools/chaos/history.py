@@ -62,6 +62,8 @@ class EngineSample(msgspec.Struct, frozen=True, kw_only=True):
     """Its ``vllm:`` figures kept by the run (None: /metrics did not answer)."""
     rss_bytes: int | None = None
     """Resident memory of its whole process tree (None: not measured in this sample)."""
+    rss_parts: dict[str, int] | None = None
+    """The same by process name (the API server, ``VLLM::EngineCore``, ``VLLM::Worker``)."""
 
 
 class Sample(msgspec.Struct, frozen=True, kw_only=True):

@@ -36,16 +36,18 @@ def kept(metrics: dict[str, float]) -> dict[str, float]:
     }
 
 
-def tree_rss(pids: list[int]) -> int:
-    """Resident bytes of ``pids`` together (processes that ended meanwhile count 0)."""
-    total = 0
+def tree_rss(pids: list[int]) -> dict[str, int]:
+    """Resident bytes of ``pids`` by process name (``/proc/<pid>/comm``: the API server,
+    ``VLLM::EngineCore``, ``VLLM::Worker``); processes that end meanwhile count 0."""
+    out: dict[str, int] = {}
     for pid in pids:
         with contextlib.suppress(OSError, ValueError):
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
             for line in Path(f"/proc/{pid}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
+                    out[name] = out.get(name, 0) + int(line.split()[1]) * 1024
                     break
-    return total
+    return out
 
 
 class Monitor:
@@ -97,16 +99,21 @@ class Monitor:
                 scraped = dict(
                     zip(self._urls, pool.map(self._scrape, self._urls.values()), strict=True)
                 )
-                engines = tuple(
-                    EngineSample(
-                        name=name,
-                        incarnation=self._incarnation[name],
-                        metrics=got,
-                        rss_bytes=self._rss(name) if rss else None,
+                engines = []
+                for name, got in scraped.items():
+                    parts = self._rss(name) if rss else None
+                    engines.append(
+                        EngineSample(
+                            name=name,
+                            incarnation=self._incarnation[name],
+                            metrics=got,
+                            rss_bytes=None if parts is None else sum(parts.values()),
+                            rss_parts=parts,
+                        )
                     )
-                    for name, got in scraped.items()
+                self._history.samples.append(
+                    Sample(t0=t0, t1=self._clock(), engines=tuple(engines))
                 )
-                self._history.samples.append(Sample(t0=t0, t1=self._clock(), engines=engines))
                 self._exits()
                 self._stop.wait(max(0.0, t0 + period - self._clock()))
 
@@ -119,7 +126,7 @@ class Monitor:
         parsed: dict[str, float] = self._client.parse_prometheus(text)
         return kept(parsed)
 
-    def _rss(self, name: str) -> int | None:
+    def _rss(self, name: str) -> dict[str, int] | None:
         proc = self._deployment.procs.get(name)
         if proc is None or not proc.alive():
             return None

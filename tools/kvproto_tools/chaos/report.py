@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvproto_tools.chaos.checker import Reclaim, Verdict
+from kvproto_tools.chaos.checker import Reclaim, Verdict, orphan_bound
 from kvproto_tools.chaos.history import History
 from kvproto_tools.chaos.schedule import PREFILLS
-from kvproto_tools.chaos.series import GRANTED, HELD, Explained
+from kvproto_tools.chaos.series import GRANTED, HELD, Explained, unexplained
 from kvproto_tools.chaos.trends import Slope
 
 MIB = 2**20
@@ -166,6 +166,16 @@ def plot(history: History, verdict: Verdict, path: Path) -> None:
                 lw=0.9,
                 label=f"{name} {label}",
             )
+    stranded = [n for _, n in unexplained(history, orphan_bound(history))]
+    leases.fill_between(
+        ts,
+        stranded,
+        step="post",
+        color="tab:red",
+        alpha=0.5,
+        lw=0,
+        label="no request explains",
+    )
     leases.set_ylabel("leases on P")
     leases.legend(loc="upper left", fontsize=8, ncols=4, frameon=False)
     for name in ("prefill-0", "prefill-1", "decode-0"):
