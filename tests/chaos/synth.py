@@ -14,6 +14,7 @@ import bisect
 
 import msgspec
 
+from examples.pd_cpu.tiny_model import CORPUS
 from kvproto_tools.chaos.baseline import Expected, key_of
 from kvproto_tools.chaos.history import EngineSample, History, Injected, Sample, Sent
 from kvproto_tools.chaos.schedule import DECODE, PREFILLS, make_schedule
@@ -31,7 +32,9 @@ def answer(index: int) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]:
 
 def clean_history(duration_s: float = 600.0, seed: int = 3) -> tuple[History, dict[str, Expected]]:
     """A run where everything went right, and the plain engine's answers."""
-    plan = make_schedule(seed, duration_s, lease_s=LEASE, rate=RATE, warmup_s=WARMUP)
+    plan = make_schedule(
+        seed, duration_s, sentences=CORPUS, lease_s=LEASE, rate=RATE, warmup_s=WARMUP
+    )
     history = History(
         plan=plan, rate=RATE, warmup_s=WARMUP, sample_s=0.25, layout="made up for a test"
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from examples.pd_cpu.tiny_model import CORPUS
 from kvproto.config import LeaseConfig
 from kvproto_tools.chaos.schedule import (
     FAULT_KINDS,
@@ -17,7 +18,7 @@ LEASE = 10
 
 
 def plan(seed: int, duration_s: float = 1800.0):  # type: ignore[no-untyped-def]
-    return make_schedule(seed, duration_s, lease_s=LEASE, rate=1.5, warmup_s=20.0)
+    return make_schedule(seed, duration_s, sentences=CORPUS, lease_s=LEASE, rate=1.5, warmup_s=20.0)
 
 
 def test_the_same_seed_gives_the_same_schedule_and_another_seed_another() -> None:

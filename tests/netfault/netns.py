@@ -49,9 +49,9 @@ from typing import Any
 from kvproto_tools.netns import (
     PREFIX,
     NetnsUnavailable,
+    answers,
     netns_names,
     run_tool,
-    socket_in,
     spawn_in,
 )
 
@@ -237,22 +237,11 @@ class Link:
     def wait_reachable(self, timeout_s: float) -> float:
         """Bounded wait until a TCP connect from D to P gets an answer; returns seconds."""
         start = time.monotonic()
-        deadline = start + timeout_s
-        while True:
-            sock = socket_in(self.d, socket.AF_INET, socket.SOCK_STREAM)
-            try:
-                sock.settimeout(0.5)
-                # Nothing listens on port 9 at P: a refusal (RST) proves the path works.
-                sock.connect((self.addr[self.p], 9))
-                return time.monotonic() - start
-            except ConnectionRefusedError:
-                return time.monotonic() - start
-            except OSError:
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(f"{self.p} not reachable from {self.d}") from None
-                time.sleep(0.05)
-            finally:
-                sock.close()
+        while not answers(self.d, self.addr[self.p]):
+            if time.monotonic() - start >= timeout_s:
+                raise TimeoutError(f"{self.p} not reachable from {self.d}")
+            time.sleep(0.05)
+        return time.monotonic() - start
 
     def close(self) -> None:
         """End the delayer and delete the namespaces (idempotent, never raises)."""

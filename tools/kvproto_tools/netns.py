@@ -227,3 +227,21 @@ def transport_env(ifname: str) -> dict[str, str]:
         "UCX_WARN_UNUSED_ENV_VARS": "n",
         "KVPROTO_NIXL_PROGRESS_THREAD": "0",
     }
+
+
+def answers(netns: str, addr: str, *, timeout_s: float = 0.5) -> bool:
+    """Whether a TCP connect from namespace ``netns`` to ``addr`` gets an answer.
+
+    Nothing listens on port 9 (discard) there: a refusal (RST) proves the path works both
+    ways; a timeout or an unreachable network says it does not (yet)."""
+    sock = socket_in(netns, socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout_s)
+        sock.connect((addr, 9))
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.close()
+    return True

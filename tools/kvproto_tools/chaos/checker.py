@@ -164,6 +164,7 @@ def check_schedule(history: History) -> Iterator[Violation]:
     again = make_schedule(
         plan.seed,
         plan.duration_s,
+        sentences=plan.sentences,
         lease_s=plan.lease_s,
         rate=history.rate,
         warmup_s=history.warmup_s,

@@ -63,11 +63,12 @@ class Options:
     sample_s: float = 0.25
     """Seconds between two metrics samples."""
 
-    def plan(self) -> Plan:
-        """The schedule these options draw."""
+    def plan(self, sentences: tuple[str, ...]) -> Plan:
+        """The schedule these options draw, prompts made of ``sentences``."""
         return make_schedule(
             self.seed,
             self.duration_s,
+            sentences=sentences,
             lease_s=self.lease_s,
             rate=self.rate,
             warmup_s=self.warmup_s,
@@ -93,7 +94,7 @@ def run(options: Options, say: Callable[[str], None]) -> Outcome:
     if not (model_dir / "config.json").is_file():
         tiny.build_tiny_llama(model_dir)
     model = cluster.ModelSpec(path=model_dir.resolve(), max_model_len=1024)
-    plan = options.plan()
+    plan = options.plan(tuple(tiny.CORPUS))
     history = History(
         plan=plan,
         rate=options.rate,

@@ -27,12 +27,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvproto_tools.netns import PREFIX, NetnsUnavailable, netns_names, run_tool, socket_in
+from kvproto_tools.netns import PREFIX, NetnsUnavailable, answers, netns_names, run_tool
 
 FRONT, BACK = "front", "back"
 """Interface names in every host (and the bridges' names in the switch)."""
@@ -178,7 +177,7 @@ class Lan:
         pairs = [(self.hub.netns, h.front) for h in self.hosts.values() if h is not self.hub]
         pairs += [(fabric[0].netns, h.back) for h in fabric[1:] if h.back is not None]
         for netns, addr in pairs:
-            while not _answers(netns, addr):
+            while not answers(netns, addr):
                 if time.monotonic() - start > timeout_s:
                     raise TimeoutError(f"{addr} not reachable from {netns}")
                 time.sleep(0.05)
@@ -199,18 +198,3 @@ class Lan:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _answers(netns: str, addr: str) -> bool:
-    """Whether a TCP connect from ``netns`` to ``addr`` port 9 gets an answer (a refusal)."""
-    sock = socket_in(netns, socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.settimeout(0.5)
-        sock.connect((addr, 9))
-    except ConnectionRefusedError:
-        return True
-    except OSError:
-        return False
-    finally:
-        sock.close()
-    return True

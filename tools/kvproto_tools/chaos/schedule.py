@@ -65,17 +65,6 @@ REQUEST_KINDS = (
 _KIND_WEIGHTS = (34, 24, 8, 6, 10, 8, 10)
 FAULT_KINDS = ("kill-decode", "kill-prefill", "partition", "loss", "flap")
 
-#: Sentences prompts are made of (the tiny model's tokenizer knows them, ~12 tokens each).
-_SENTENCES = (
-    "The quick brown fox jumps over the lazy dog.",
-    "Prefill computes the prompt once; decode reads its KV blocks.",
-    "A lease keeps blocks alive exactly as long as a reader needs them.",
-    "Heartbeats renew the lease while the request waits in the queue.",
-    "When the reader is gone the holder frees the blocks and moves on.",
-    "Transfers move key and value caches between two engines.",
-    "Every token attends to all the tokens that came before it.",
-    "Small models make fast tests and tests should be fast and honest.",
-)
 SHARED_PREFIXES = 5
 """Shared prompt prefixes (each about two 32-token KV blocks)."""
 
@@ -133,6 +122,8 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
 
     seed: int
     """The seed it was drawn from."""
+    sentences: tuple[str, ...]
+    """What its prompts are made of (the tiny model's tokenizer corpus: a few tokens a word)."""
     duration_s: float
     """Seconds of load."""
     lease_s: int
@@ -144,14 +135,28 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def make_schedule(
-    seed: int, duration_s: float, *, lease_s: int, rate: float, warmup_s: float
+    seed: int,
+    duration_s: float,
+    *,
+    sentences: tuple[str, ...],
+    lease_s: int,
+    rate: float,
+    warmup_s: float,
 ) -> Plan:
     """The schedule for ``seed``: load over ``duration_s`` at ``rate`` requests per second
-    plus bursts, and enough faults to fill the run after ``warmup_s``."""
+    plus bursts, prompts made of ``sentences``, and enough faults to fill the run after
+    ``warmup_s``."""
     rng = random.Random(f"kvproto-chaos/{seed}")
-    requests = _load(random.Random(f"{rng.random()}/load"), duration_s, rate)
+    requests = _load(random.Random(f"{rng.random()}/load"), duration_s, rate, sentences)
     faults = _faults(random.Random(f"{rng.random()}/faults"), duration_s - warmup_s, lease_s)
-    return Plan(seed=seed, duration_s=duration_s, lease_s=lease_s, requests=requests, faults=faults)
+    return Plan(
+        seed=seed,
+        sentences=sentences,
+        duration_s=duration_s,
+        lease_s=lease_s,
+        requests=requests,
+        faults=faults,
+    )
 
 
 def digest(plan: Plan) -> str:
@@ -159,12 +164,14 @@ def digest(plan: Plan) -> str:
     return hashlib.sha256(msgspec.json.encode(plan)).hexdigest()[:16]
 
 
-def _prefix(k: int) -> str:
-    words = random.Random(f"prefix/{k}").choices(_SENTENCES, k=6)
+def _prefix(k: int, sentences: tuple[str, ...]) -> str:
+    words = random.Random(f"prefix/{k}").choices(sentences, k=6)
     return f"Context {k}: " + " ".join(words)
 
 
-def _load(rng: random.Random, duration_s: float, rate: float) -> tuple[Request, ...]:
+def _load(
+    rng: random.Random, duration_s: float, rate: float, sentences: tuple[str, ...]
+) -> tuple[Request, ...]:
     times: list[tuple[float, int]] = []
     t = 0.0
     while (t := t + rng.expovariate(rate)) < duration_s:
@@ -184,9 +191,11 @@ def _load(rng: random.Random, duration_s: float, rate: float) -> tuple[Request, 
             prompt, max_tokens = original.prompt, original.max_tokens
         else:
             kind = "complete" if kind == "repeat" else kind
-            tail = f"#{index} " + " ".join(rng.choices(_SENTENCES, k=rng.randint(2, 5)))
+            tail = f"#{index} " + " ".join(rng.choices(sentences, k=rng.randint(2, 5)))
             shared = rng.random() < 0.5
-            prompt = f"{_prefix(rng.randrange(SHARED_PREFIXES))} {tail}" if shared else tail
+            prompt = (
+                f"{_prefix(rng.randrange(SHARED_PREFIXES), sentences)} {tail}" if shared else tail
+            )
             # A client hanging up mid-stream needs a stream longer than its first chunks.
             max_tokens = 64 if kind == "cancel-stream" else rng.randint(4, 16)
         sampled = kind.startswith("sample")
