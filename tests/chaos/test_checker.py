@@ -7,11 +7,19 @@ bug or a fault would show it in the samples.
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 import pytest
 
 from kvproto_tools.chaos.bounds import Terms, peer_lost_s
-from kvproto_tools.chaos.checker import JUDGED_SPAN_S, TEAR_S, Verdict, check
+from kvproto_tools.chaos.checker import (
+    JUDGED_SPAN_S,
+    RSS_GROWTH_LIMIT,
+    TEAR_S,
+    Verdict,
+    check,
+)
 from kvproto_tools.chaos.history import Exit, History
 from kvproto_tools.chaos.schedule import DECODE
 
@@ -198,12 +206,14 @@ def test_what_is_left_at_the_end_is_caught(engine: str, name: str, value: float)
     assert "end state" in checks(history, expected)
 
 
-def _grow(history: History, engine: str, per_min: float) -> None:
+def _grow(history: History, engine: str, per_min: float, *, settles_s: float = 0.0) -> None:
+    """``engine``'s memory grows ``per_min`` bytes a minute, for good or (``settles_s``)
+    decaying like a warm-up with that time constant."""
     for i, sample in enumerate(history.samples):
+        t = sample.t0
+        grown = per_min * (t if not settles_s else settles_s * (1 - math.exp(-t / settles_s)))
         engines = tuple(
-            msgspec.structs.replace(e, rss_bytes=int(RSS + per_min * sample.t0 / 60.0))
-            if e.name == engine
-            else e
+            msgspec.structs.replace(e, rss_bytes=int(RSS + grown / 60.0)) if e.name == engine else e
             for e in sample.engines
         )
         history.samples[i] = msgspec.structs.replace(sample, engines=engines)
@@ -218,6 +228,16 @@ def test_memory_that_keeps_growing_is_caught_only_over_a_long_enough_stretch() -
     short, expected = clean_history(duration_s=60.0 + JUDGED_SPAN_S / 2)
     _grow(short, DECODE, per_min=8 * 2**20)
     assert checks(short, expected) == set()  # printed, not judged
+
+
+def test_a_warm_up_that_settles_is_not_growth() -> None:
+    history, expected = clean_history()
+    # 30 MiB/min at first, decaying with a 100 s time constant: ~0.1 MiB/min by 600 s.
+    _grow(history, P1, per_min=30 * 2**20, settles_s=100.0)
+    verdict = check(history, expected)
+    assert verdict.violations == []
+    fit = verdict.slopes[f"rss {P1}#1"]
+    assert fit.high < RSS_GROWTH_LIMIT * fit.mean
 
 
 def test_a_schedule_the_seed_does_not_give_or_faults_out_of_order_are_caught() -> None:
