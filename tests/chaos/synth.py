@@ -15,6 +15,7 @@ import bisect
 import msgspec
 
 from examples.pd_cpu.tiny_model import CORPUS
+from kvproto_tools.chaos.answers import Choice
 from kvproto_tools.chaos.baseline import Expected, key_of
 from kvproto_tools.chaos.history import EngineSample, History, Injected, Sample, Sent
 from kvproto_tools.chaos.schedule import DECODE, PREFILLS, make_schedule
@@ -25,9 +26,15 @@ ANSWER_S = 0.5
 RSS = 1 << 30
 
 
-def answer(index: int) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]:
-    """The text and token ids request ``index`` is answered with (the baseline's too)."""
-    return (f"answer {index}",), ((index, index + 1),)
+def answer(index: int) -> Choice:
+    """What request ``index`` is answered with (the baseline's too): two tokens, each
+    drawn from a distribution of its own."""
+    return Choice(
+        text=f"answer {index}",
+        token_ids=(index, index + 1),
+        tokens=("answer", f" {index}"),
+        top_logprobs=((-0.5, -1.5, -2.0), (-0.25 - index / 1e4, -3.0)),
+    )
 
 
 def clean_history(duration_s: float = 600.0, seed: int = 3) -> tuple[History, dict[str, Expected]]:
@@ -40,25 +47,17 @@ def clean_history(duration_s: float = 600.0, seed: int = 3) -> tuple[History, di
     )
     expected: dict[str, Expected] = {}
     for req in plan.requests:
-        texts, ids = answer(req.index)
+        # A repeated prompt asks the same question: the first answer is the baseline's.
+        want = expected.setdefault(key_of(req), Expected(choices=(answer(req.index),) * req.n))
         history.sent.append(
             Sent(
                 index=req.index,
                 sent=req.at,
                 ended=req.at + ANSWER_S,
                 outcome="ok",
-                texts=texts,
-                token_ids=ids,
+                choices=want.choices,
             )
         )
-        # A repeated prompt asks the same question: the first answer is the baseline's.
-        expected.setdefault(key_of(req), Expected(texts=texts, token_ids=ids))
-        if expected[key_of(req)].texts != texts:
-            history.sent[-1] = msgspec.structs.replace(
-                history.sent[-1],
-                texts=expected[key_of(req)].texts,
-                token_ids=expected[key_of(req)].token_ids,
-            )
     history.load_end = duration_s
     history.end = duration_s + 5.0
     t = 0.0

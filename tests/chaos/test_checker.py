@@ -42,28 +42,55 @@ def test_a_clean_history_is_clean() -> None:
     assert rss.per_min == 0.0 and rss.mean == RSS
 
 
-@pytest.mark.parametrize("field", ["texts", "token_ids"])
-def test_one_wrong_token_is_caught(field: str) -> None:
+def _answered(history: History, k: int, **changed: object) -> None:
+    """Request ``k``'s first choice changed as ``changed`` says."""
+    sent = history.sent[k]
+    first = msgspec.structs.replace(sent.choices[0], **changed)
+    history.sent[k] = msgspec.structs.replace(sent, choices=(first, *sent.choices[1:]))
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        # A token from another distribution: a wrong KV block changes it from the start.
+        {"tokens": ("answer", " other"), "top_logprobs": ((-0.5, -1.5, -2.0), (-0.9, -1.1))},
+        # The same distribution where the tokens part, but not before: wrong too.
+        {"tokens": ("answer", " other"), "top_logprobs": ((-0.7, -1.5, -2.0), (-0.25, -3.0))},
+        # Equal tokens but another text or other ids: the detokenizer or the ids disagree.
+        {"text": "answer that differs"},
+        {"token_ids": (7, 7)},
+        # No log-probabilities returned, and another text: nothing shows it was right.
+        {"tokens": None, "top_logprobs": None, "text": "answer that differs"},
+    ],
+)
+def test_one_wrong_token_is_caught(changed: dict[str, object]) -> None:
     history, expected = clean_history()
     k = len(history.sent) // 2
-    sent = history.sent[k]
-    wrong = (
-        {"texts": ("answer that differs",)}
-        if field == "texts"
-        else {"token_ids": ((7, 7),), "texts": sent.texts}
-    )
-    history.sent[k] = msgspec.structs.replace(sent, **wrong)
+    _answered(history, k, **changed)
     verdict = check(history, expected)
     assert verdict.answers["wrong"] == 1
     assert [v.check for v in verdict.violations] == ["answers"]
 
 
+def test_a_token_drawn_differently_from_the_same_distribution_is_right() -> None:
+    history, expected = clean_history()
+    k = len(history.sent) // 2
+    top = history.sent[k].choices[0].top_logprobs
+    assert top is not None
+    # Float rounding of another batch: every log-probability 4e-4 off, and the draw at the
+    # second token landed on the other side of an edge.
+    moved = tuple(tuple(x + 4e-4 for x in row) for row in top)
+    _answered(history, k, tokens=("answer", " other"), text="answer other", top_logprobs=moved)
+    verdict = check(history, expected)
+    assert verdict.violations == []
+    assert verdict.answers["drawn"] == 1 and verdict.answers["wrong"] == 0
+    assert verdict.logprob_delta == pytest.approx(4e-4)
+
+
 def test_an_error_or_a_hang_up_is_not_a_wrong_answer() -> None:
     history, expected = clean_history()
     for k, outcome in ((3, "error"), (4, "cancelled")):
-        history.sent[k] = msgspec.structs.replace(
-            history.sent[k], outcome=outcome, texts=(), token_ids=None
-        )
+        history.sent[k] = msgspec.structs.replace(history.sent[k], outcome=outcome, choices=())
     verdict = check(history, expected)
     assert verdict.violations == []
     assert verdict.answers["error"] == 1 and verdict.answers["cancelled"] == 1
@@ -115,7 +142,7 @@ def test_an_expiry_a_partition_or_a_client_explains_is_not() -> None:
     inject(history, first(history, "partition"), 100.0, 115.0)
     _ended_at(history, P1, "expired", 110.0)
     k = next(i for i, s in enumerate(history.sent) if s.sent > 300.0)
-    history.sent[k] = msgspec.structs.replace(history.sent[k], outcome="error", texts=())
+    history.sent[k] = msgspec.structs.replace(history.sent[k], outcome="error", choices=())
     _ended_at(history, P0, "expired", history.sent[k].ended + 9.0)
     assert checks(history, expected) == set()
 
@@ -173,7 +200,7 @@ def test_a_killed_decoder_s_claimed_leases_must_go_peer_lost_within_detection(
     waiting = [i for i, s in enumerate(history.sent) if 95.0 <= s.sent < 100.0][:2]
     for k in waiting:
         history.sent[k] = msgspec.structs.replace(
-            history.sent[k], ended=100.2, outcome="error", texts=(), token_ids=None
+            history.sent[k], ended=100.2, outcome="error", choices=()
         )
     change(history, P0, f"{H}grants_total", by=2, start=97.0)
     change(history, P0, f"{H}leases_held", by=2, start=97.0, end=100.0 + freed_after)

@@ -12,19 +12,30 @@ from __future__ import annotations
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
+from typing import Any
 
 import msgspec
 
+from kvproto_tools.chaos.answers import LOGPROBS, Choice
 from kvproto_tools.chaos.schedule import Request
 
 
 class Expected(msgspec.Struct, frozen=True, kw_only=True):
     """The plain engine's answer to one request."""
 
-    texts: tuple[str, ...]
-    """Text per choice."""
-    token_ids: tuple[tuple[int, ...], ...]
-    """Token ids per choice."""
+    choices: tuple[Choice, ...]
+    """One per choice, with the log-probabilities of each token."""
+
+
+def choice_of(answer: Any) -> Choice:
+    """An answer of examples/pd_cpu's client, as the checker compares it."""
+    ids = answer.token_ids
+    return Choice(
+        text=answer.text,
+        token_ids=None if ids is None else tuple(ids),
+        tokens=answer.tokens,
+        top_logprobs=answer.top_logprobs,
+    )
 
 
 def key_of(req: Request) -> str:
@@ -40,14 +51,22 @@ def answers(
 
     def ask(req: Request) -> Expected:
         if req.n == 1:
-            got = [client.complete(url, model, req.prompt, max_tokens=req.max_tokens)]
+            got = [
+                client.complete(
+                    url, model, req.prompt, max_tokens=req.max_tokens, logprobs=LOGPROBS
+                )
+            ]
         else:
             got = client.sample(
-                url, model, req.prompt, n=req.n, seed=req.sample_seed, max_tokens=req.max_tokens
+                url,
+                model,
+                req.prompt,
+                n=req.n,
+                seed=req.sample_seed,
+                max_tokens=req.max_tokens,
+                logprobs=LOGPROBS,
             )
-        return Expected(
-            texts=tuple(a.text for a in got), token_ids=tuple(tuple(a.token_ids) for a in got)
-        )
+        return Expected(choices=tuple(choice_of(a) for a in got))
 
     with ThreadPoolExecutor(threads, thread_name_prefix="chaos-baseline") as pool:
         return dict(zip(distinct, pool.map(ask, distinct.values()), strict=True))

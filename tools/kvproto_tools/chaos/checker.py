@@ -4,8 +4,9 @@
   faults applied are the schedule's, in its order (those that no longer fit before
   the load's end are left out);
 * **answers**: every answer a client got equals the plain engine's answer to the same
-  request (text, and token ids where returned), or the client got an error: never a
-  wrong token;
+  request (tokens, text, and token ids where returned), or parts from it only at a token
+  drawn from the same next-token distribution (:mod:`.answers`), or the client got an
+  error: never a token computed from a wrong KV;
 * **processes**: no process of the deployment ended unless the schedule killed it,
   and every killed engine came back;
 * **leases** (per prefill engine incarnation, at every sample): every lease granted
@@ -36,6 +37,7 @@ from collections.abc import Iterator
 
 import msgspec
 
+from kvproto_tools.chaos.answers import compare
 from kvproto_tools.chaos.baseline import Expected, key_of
 from kvproto_tools.chaos.bounds import Terms, orphan_s, peer_lost_s, settle_s
 from kvproto_tools.chaos.history import History, Injected
@@ -126,7 +128,11 @@ class Verdict(msgspec.Struct, kw_only=True):
     digest: str = ""
     """The schedule's digest."""
     answers: dict[str, int] = msgspec.field(default_factory=dict)
-    """Requests by outcome, plus ``wrong``."""
+    """Requests by outcome, plus ``wrong`` (requests) and ``drawn`` (choices that parted from
+    the plain engine's at a token drawn from the same distribution: :mod:`.answers`)."""
+    logprob_delta: float = 0.0
+    """The largest log-probability difference between the run and the plain engine over the
+    tokens of the answers that were right (what float rounding moved)."""
     by_kind: dict[str, dict[str, int]] = msgspec.field(default_factory=dict)
     """Request kind -> outcome -> count."""
     faults: dict[str, int] = msgspec.field(default_factory=dict)
@@ -194,7 +200,8 @@ def check_answers(
     history: History, expected: dict[str, Expected], verdict: Verdict
 ) -> Iterator[Violation]:
     """Every answer equals the plain engine's answer to the same request."""
-    counts = dict.fromkeys(("ok", "error", "cancelled", "wrong"), 0)
+    counts = dict.fromkeys(("ok", "error", "cancelled", "wrong", "drawn"), 0)
+    deltas: list[float] = []
     for sent in history.sent:
         req = history.request(sent.index)
         counts[sent.outcome] += 1
@@ -209,16 +216,32 @@ def check_answers(
                 check="answers", t=sent.ended, detail=f"request {req.index}: no baseline"
             )
             continue
-        wrong_ids = sent.token_ids is not None and sent.token_ids != want.token_ids
-        if sent.texts != want.texts or wrong_ids:
+        if len(sent.choices) != len(want.choices):
             counts["wrong"] += 1
             yield Violation(
                 check="answers",
                 t=sent.ended,
-                detail=f"request {req.index} ({req.kind}) answered {sent.texts!r} "
-                f"(ids {sent.token_ids}), the plain engine {want.texts!r} (ids {want.token_ids})",
+                detail=f"request {req.index} ({req.kind}): {len(sent.choices)} choices, the "
+                f"plain engine {len(want.choices)}",
+            )
+            continue
+        verdicts = [compare(g, w) for g, w in zip(sent.choices, want.choices, strict=True)]
+        deltas += [v.delta for v in verdicts if v.verdict != "wrong"]
+        counts["drawn"] += sum(v.verdict == "drawn" for v in verdicts)
+        bad = next((i for i, v in enumerate(verdicts) if v.verdict == "wrong"), None)
+        if bad is not None:
+            counts["wrong"] += 1
+            v = verdicts[bad]
+            yield Violation(
+                check="answers",
+                t=sent.ended,
+                detail=f"request {req.index} ({req.kind}) choice {bad} answered "
+                f"{sent.choices[bad].text!r}, the plain engine {want.choices[bad].text!r} "
+                f"(tokens part at {v.position}, log-probabilities {v.delta:.2g} apart up to "
+                "there)",
             )
     verdict.answers = counts
+    verdict.logprob_delta = max(deltas, default=0.0)
 
 
 def check_processes(history: History) -> Iterator[Violation]:

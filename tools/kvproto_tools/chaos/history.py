@@ -11,6 +11,7 @@ from pathlib import Path
 
 import msgspec
 
+from kvproto_tools.chaos.answers import Choice
 from kvproto_tools.chaos.schedule import Fault, Plan, Request
 
 OUTCOMES = ("ok", "error", "cancelled")
@@ -28,10 +29,8 @@ class Sent(msgspec.Struct, frozen=True, kw_only=True):
     """When the answer was complete, the error came, or the client hung up."""
     outcome: str
     """One of :data:`OUTCOMES`."""
-    texts: tuple[str, ...] = ()
-    """The answer's text per choice (``ok`` only)."""
-    token_ids: tuple[tuple[int, ...], ...] | None = None
-    """The answer's token ids per choice, where the server returned them."""
+    choices: tuple[Choice, ...] = ()
+    """The answer, one per choice (``ok`` only)."""
     error: str = ""
     """What went wrong (``error``), shortened."""
 

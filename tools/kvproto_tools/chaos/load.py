@@ -17,6 +17,8 @@ from types import ModuleType
 
 import msgspec
 
+from kvproto_tools.chaos.answers import LOGPROBS
+from kvproto_tools.chaos.baseline import choice_of
 from kvproto_tools.chaos.history import Sent
 from kvproto_tools.chaos.schedule import Request
 
@@ -92,7 +94,12 @@ class Load:
         c, url, model = self._client, self._url, self._model
         if req.kind in ("complete", "stream", "repeat"):
             got = c.complete(
-                url, model, req.prompt, max_tokens=req.max_tokens, stream=req.kind == "stream"
+                url,
+                model,
+                req.prompt,
+                max_tokens=req.max_tokens,
+                stream=req.kind == "stream",
+                logprobs=LOGPROBS,
             )
             answers = [got]
         elif req.kind in ("sample", "sample-stream"):
@@ -104,6 +111,7 @@ class Load:
                 seed=req.sample_seed,
                 max_tokens=req.max_tokens,
                 stream=req.kind == "sample-stream",
+                logprobs=LOGPROBS,
             )
         else:
             hang_up = threading.Event()
@@ -121,12 +129,10 @@ class Load:
             finally:
                 timer.cancel()
             return Sent(index=req.index, sent=0.0, ended=0.0, outcome="cancelled")
-        ids = [a.token_ids for a in answers]
         return Sent(
             index=req.index,
             sent=0.0,
             ended=0.0,
             outcome="ok",
-            texts=tuple(a.text for a in answers),
-            token_ids=None if any(i is None for i in ids) else tuple(tuple(i) for i in ids),
+            choices=tuple(choice_of(a) for a in answers),
         )

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvproto_tools.chaos.answers import TOLERANCE
 from kvproto_tools.chaos.checker import Reclaim, Verdict, orphan_bound
 from kvproto_tools.chaos.history import History
 from kvproto_tools.chaos.schedule import PREFILLS
@@ -76,6 +77,12 @@ def text(history: History, verdict: Verdict, comparison: Sequence[str] = ()) -> 
         f"requests: {sent} sent ({history.rate:g}/s steady plus bursts): {a.get('ok', 0)} "
         f"answered, wrong {a.get('wrong', 0)}; {a.get('error', 0)} errors; "
         f"{a.get('cancelled', 0)} hung up by their clients"
+    )
+    out.append(
+        f"  answers = the plain engine's, token for token, but {a.get('drawn', 0)} choice(s) "
+        "where a sampled (or near-tied greedy) token was drawn differently from the same "
+        "next-token distribution; the largest log-probability difference over the right "
+        f"answers' tokens: {verdict.logprob_delta:.2g} (tolerance {TOLERANCE:g})"
     )
     for kind, outcomes in sorted(verdict.by_kind.items()):
         out.append(f"  {kind:<14} " + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())))
