@@ -35,3 +35,10 @@ def test_chaos_refuses_before_running(args: list[str], expect: str, tmp_path: Pa
 def test_chaos_without_matplotlib_names_the_extra(tmp_path: Path) -> None:
     line = one_error_line(kvproto("chaos", "--out", str(tmp_path), hide="matplotlib"), "chaos")
     assert "pip install 'kvproto[tools]'" in line
+
+
+def test_check_of_a_folder_that_holds_no_readable_run_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "history.json").write_text("{}")
+    (tmp_path / "baseline.json").write_text("{}")
+    line = one_error_line(kvproto("chaos", "--out", str(tmp_path), "--check"), "chaos")
+    assert "holds no run this version reads" in line

@@ -174,7 +174,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"[{time.monotonic() - started:7.1f} s] {line}", flush=True)
 
     if args.check:
-        outcome = driver.load(out)
+        try:
+            outcome = driver.load(out)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            print(
+                f"kvproto chaos: --check: {out} holds no run this version reads ({exc})",
+                file=sys.stderr,
+            )
+            return 2
     else:
         out.mkdir(exist_ok=True)
         # SIGTERM as Ctrl-C: every process tree stopped and every namespace deleted on the way.

@@ -89,17 +89,25 @@ def text(history: History, verdict: Verdict, comparison: Sequence[str] = ()) -> 
     faults = ", ".join(f"{k} {v}" for k, v in verdict.faults.items()) or "none"
     out.append(f"faults injected: {len(history.injected)} ({faults})")
     out.append(
-        "  settle: from the fault's end to the last sample with a lease that no live "
-        "request explains; freed: kill of D to P's claimed leases gone (PEER_LOST), or a "
-        "partition past the lease to the cut-off P's gone (expiry)"
+        "  lasted: applied to healed (a kill: to the restarted engine serving); settle: from "
+        "the fault's end to the last sample with a lease that no live request explains; "
+        "held: leases claimed on the P(s) it cut off as it began; freed: kill of D to those "
+        "gone (PEER_LOST), or a partition past the lease to the cut-off P's gone (expiry)"
     )
-    out.append("    # kind         target                 settle   bound   freed   bound")
+    out.append(
+        "    #     at kind         target                  lasted   settle   bound   held"
+        "   freed   bound"
+    )
+    lasted = {d.fault.index: d.end - d.start for d in history.injected}
+    starts = {d.fault.index: d.start for d in history.injected}
     for r in verdict.reclaims:
         freed = "" if r.freed_s is None else f"{r.freed_s:6.2f}s"
         freed_bound = "" if r.freed_bound_s is None else f"{r.freed_bound_s:6.2f}s"
+        held = f"{r.held_at_start:4.0f}" if r.kind in ("kill-decode", "partition") else ""
         out.append(
-            f"  {r.fault:>3} {r.kind:<12} {' <-> '.join(r.target):<20} {r.settle_s:7.2f}s "
-            f"{r.settle_bound_s:6.2f}s {freed:>7} {freed_bound:>7}"
+            f"  {r.fault:>3} {starts[r.fault]:6.0f}s {r.kind:<12} {' <-> '.join(r.target):<20}"
+            f" {lasted[r.fault]:7.1f}s {r.settle_s:7.2f}s {r.settle_bound_s:6.2f}s {held:>6}"
+            f" {freed:>7} {freed_bound:>7}"
         )
     out += _worst(verdict.reclaims)
     out.append(
