@@ -64,7 +64,7 @@ from kvproto.states import (
     done_ack_action,
     read_next,
 )
-from kvproto.stats import ReaderStats
+from kvproto.stats import ReaderStats, counts_of
 from kvproto.ticket import LeaseTicket, claim_prover, ticket_problem
 from kvproto.tpmath import BlockSlice, part_slices
 from kvproto.transport import PeerId
@@ -516,6 +516,14 @@ class Reader:
     def tracked(self) -> int:
         """Requests currently tracked."""
         return len(self._requests)
+
+    def stats_snapshot(self, prefix: str = "") -> dict[str, int]:
+        """Counters plus the sizes of its tables (tracked requests, holder sessions),
+        each key ``prefix + name``: what a long run watches for growth."""
+        snap = counts_of(self.stats, prefix)
+        snap[prefix + "requests"] = len(self._requests)
+        snap[prefix + "sessions"] = len(self._sessions)
+        return snap
 
     # ------------------------------------------------------------ frames
 

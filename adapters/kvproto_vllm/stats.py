@@ -31,6 +31,8 @@ GAUGES = frozenset(
         "holder_sessions",
         "holder_tombstones",
         "reader_pending_reads",
+        "reader_requests",
+        "reader_sessions",
         "worker_pump_gap_ms_max",
     }
 )
@@ -73,7 +75,10 @@ PROM_GAUGES: dict[str, str] = {
     "holder_leases_granted": "Leases granted and not yet claimed by a reader.",
     "holder_leases_held": "Leases claimed and kept alive by heartbeats.",
     "holder_sessions": "Reader sessions of this prefill engine.",
+    "holder_tombstones": "Ended leases remembered to answer a late done (tombstone_ttl).",
     "reader_pending_reads": "Planned reads without a verdict yet.",
+    "reader_requests": "Requests tracked now (their leases heartbeated).",
+    "reader_sessions": "Holder sessions of this decode engine.",
     "worker_pump_gap_ms_max": (
         "Longest gap between two polls of the lease cores in the last stats interval, ms: "
         "how late a due heartbeat or done verdict can be (engine step time)."

@@ -444,7 +444,7 @@ class WorkerSide:
             snap.update(self.holder_side.holder.stats_snapshot("holder_"))
             snap["holder_bad_grants"] = self.holder_side.bad_grants
         if self.reader_side is not None:
-            snap.update(counts_of(self.reader_side.reader.stats, "reader_"))
+            snap.update(self.reader_side.reader.stats_snapshot("reader_"))
             snap.update(counts_of(self.reader_side.counters, "reader_"))
             snap["reader_pending_reads"] = self.reader_side.pending()
         if self.endpoint is not None:

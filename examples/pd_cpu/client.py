@@ -39,6 +39,38 @@ class Answer:
     """Seconds to the first generated text (the whole answer when not streamed)."""
     total_s: float
     """Seconds to the end of the answer."""
+    tokens: tuple[str, ...] | None = None
+    """Each generated token as text, where ``logprobs`` were asked for."""
+    top_logprobs: tuple[tuple[float, ...], ...] | None = None
+    """Per generated token, the model's largest log-probabilities there, largest first (as
+    many as ``logprobs`` asked for): the next-token distribution the answer was drawn from."""
+
+
+class _Logprobs:
+    """Tokens and top log-probabilities of one choice, gathered over a stream's events."""
+
+    def __init__(self) -> None:
+        self.tokens: list[str] = []
+        self.top: list[tuple[float, ...]] = []
+        self.seen = False
+
+    def add(self, choice: dict[str, Any], keep: int) -> None:
+        got = choice.get("logprobs")
+        if not got:
+            return
+        self.seen = True
+        self.tokens += got.get("tokens") or []
+        # The chosen token's own entry joins the top ones when it is not among them: keep
+        # the ``keep`` largest, which describe the distribution whatever was drawn from it.
+        self.top += [
+            tuple(sorted((top or {}).values(), reverse=True)[:keep])
+            for top in got.get("top_logprobs") or []
+        ]
+
+    def fields(self) -> dict[str, Any]:
+        if not self.seen:
+            return {}
+        return {"tokens": tuple(self.tokens), "top_logprobs": tuple(self.top)}
 
 
 def _body(model: str, max_tokens: int, stream: bool, **fields: Any) -> dict[str, Any]:
@@ -63,11 +95,15 @@ def complete(
     max_tokens: int = 8,
     stream: bool = False,
     kv_transfer_params: dict[str, Any] | None = None,
+    logprobs: int | None = None,
 ) -> Answer:
-    """``POST /v1/completions`` (``kv_transfer_params`` when talking to an engine directly)."""
+    """``POST /v1/completions`` (``kv_transfer_params`` when talking to an engine directly;
+    ``logprobs``: the top log-probabilities of each generated token too)."""
     body = _body(model, max_tokens, stream, prompt=prompt)
     if kv_transfer_params is not None:
         body["kv_transfer_params"] = kv_transfer_params
+    if logprobs is not None:
+        body["logprobs"] = logprobs
     return _post(url + "/v1/completions", body, chat=False)
 
 
@@ -81,10 +117,14 @@ def sample(
     max_tokens: int = 8,
     stream: bool = False,
     temperature: float = 0.8,
+    logprobs: int | None = None,
 ) -> list[Answer]:
-    """``POST /v1/completions`` with ``n`` seeded samples: one Answer per choice, by index."""
+    """``POST /v1/completions`` with ``n`` seeded samples: one Answer per choice, by index
+    (``logprobs``: the top log-probabilities of each generated token too)."""
     body = _body(model, max_tokens, stream, prompt=prompt, n=n, seed=seed)
     body["temperature"] = temperature
+    if logprobs is not None:
+        body["logprobs"] = logprobs
     request = urllib.request.Request(
         url + "/v1/completions",
         data=json.dumps(body).encode(),
@@ -95,6 +135,7 @@ def sample(
     texts: dict[int, list[str]] = {}
     ids: dict[int, tuple[int, ...] | None] = {}
     finish: dict[int, str | None] = {}
+    probs: dict[int, _Logprobs] = {}
     try:
         with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as reply:
             choices = (
@@ -108,6 +149,7 @@ def sample(
                 got = choice.get("token_ids")
                 ids[index] = tuple(got) if got is not None else None
                 finish[index] = choice.get("finish_reason") or finish.get(index)
+                probs.setdefault(index, _Logprobs()).add(choice, logprobs or 0)
     except urllib.error.HTTPError as exc:
         detail = exc.read().decode(errors="replace")[:300]
         raise RequestFailed(f"HTTP {exc.code} from {url}: {detail}") from exc
@@ -123,6 +165,7 @@ def sample(
             finish_reason=finish[i],
             ttft_s=total,
             total_s=total,
+            **probs[i].fields(),
         )
         for i in range(n)
     ]
@@ -208,7 +251,7 @@ def _post(endpoint: str, body: dict[str, Any], *, chat: bool) -> Answer:
     try:
         with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as reply:
             if body["stream"]:
-                return _read_stream(reply, t0, chat=chat)
+                return _read_stream(reply, t0, chat=chat, logprobs=body.get("logprobs") or 0)
             data = json.load(reply)
     except urllib.error.HTTPError as exc:
         detail = exc.read().decode(errors="replace")[:300]
@@ -221,12 +264,15 @@ def _post(endpoint: str, body: dict[str, Any], *, chat: bool) -> Answer:
     choice = data["choices"][0]
     text = choice["message"]["content"] if chat else choice["text"]
     ids = choice.get("token_ids")
+    probs = _Logprobs()
+    probs.add(choice, body.get("logprobs") or 0)
     return Answer(
         text=text or "",
         token_ids=tuple(ids) if ids is not None else None,
         finish_reason=choice.get("finish_reason"),
         ttft_s=total,
         total_s=total,
+        **probs.fields(),
     )
 
 
@@ -245,12 +291,14 @@ def _events(reply: Any) -> Iterator[dict[str, Any]]:
     raise RequestFailed("stream ended without [DONE] (the server died mid-answer?)")
 
 
-def _read_stream(reply: Any, t0: float, *, chat: bool) -> Answer:
+def _read_stream(reply: Any, t0: float, *, chat: bool, logprobs: int = 0) -> Answer:
     parts: list[str] = []
     ttft: float | None = None
     finish: str | None = None
+    probs = _Logprobs()
     for event in _events(reply):
         for choice in event.get("choices", []):
+            probs.add(choice, logprobs)
             delta = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
             if delta:
                 parts.append(delta)
@@ -264,6 +312,7 @@ def _read_stream(reply: Any, t0: float, *, chat: bool) -> Answer:
         finish_reason=finish,
         ttft_s=total if ttft is None else ttft,
         total_s=total,
+        **probs.fields(),
     )
 
 

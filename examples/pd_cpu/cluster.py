@@ -72,11 +72,15 @@ class EngineSpec:
     """``VLLM_CPU_OMP_THREADS_BIND`` (e.g. "0"); None keeps vLLM's ``auto``."""
     max_num_seqs: int | None = None
     """Requests this engine runs at once, if not the model's default (more wait queued)."""
+    host: str = "127.0.0.1"
+    """Address its HTTP server listens on (another host's address when engines run apart)."""
+    side_channel_host: str = "127.0.0.1"
+    """``VLLM_NIXL_SIDE_CHANNEL_HOST``: the address decoders reach this engine's KV at."""
 
     @property
     def url(self) -> str:
         """Base URL of its HTTP server."""
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -132,7 +136,7 @@ def serve_argv(model: ModelSpec, engine: EngineSpec, kv_config: dict[str, Any] |
         "serve",
         str(model.path),
         "--host",
-        "127.0.0.1",
+        engine.host,
         "--port",
         str(engine.port),
         "--dtype",
@@ -211,7 +215,7 @@ def engine_env(
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
             "VLLM_CPU_KVCACHE_SPACE": str(1),
-            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": engine.side_channel_host,
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(engine.side_channel_port),
             # kvproto's NIXL transport is pumped by the engine step; a progress thread
             # would spin one core per engine (stock NixlConnector has no such switch).
@@ -295,12 +299,27 @@ class Proc:
     _log: IO[bytes] | None = field(default=None, repr=False)
 
     @classmethod
-    def start(cls, name: str, argv: list[str], env: dict[str, str], log_path: Path) -> Proc:
-        """Start ``argv`` with ``env``, stdout and stderr to ``log_path``."""
+    def start(
+        cls,
+        name: str,
+        argv: list[str],
+        env: dict[str, str],
+        log_path: Path,
+        *,
+        wrap: Sequence[str] = (),
+    ) -> Proc:
+        """Start ``argv`` with ``env``, stdout and stderr to ``log_path``.
+
+        ``wrap`` is a command that executes ``argv`` in place of itself (``ip netns exec
+        NS``: the server keeps the wrapper's pid, so its session is still its tree)."""
         exe = executable(argv[0])
         log = log_path.open("ab")
         popen = subprocess.Popen(
-            [exe, *argv[1:]], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            [*wrap, exe, *argv[1:]],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         return cls(name=name, argv=argv, log_path=log_path, popen=popen, _log=log)
 
@@ -479,6 +498,7 @@ class Deployment:
         extra_env: dict[str, str] | None = None,
         router_extra: Sequence[str] = (),
         connector_extra: dict[str, Any] | None = None,
+        wrap: dict[str, Sequence[str]] | None = None,
     ) -> None:
         kv_transfer_config(connector, "kv_producer")  # unknown connector: fail before starting
         self.model = model
@@ -492,6 +512,8 @@ class Deployment:
         self.extra_env = dict(extra_env or {})
         self.router_extra = list(router_extra)
         self.connector_extra = dict(connector_extra or {})
+        self.wrap = dict(wrap or {})
+        """Per process name ("prefill-0", "router"), the command it is started under."""
         self.shim = vllm_cpu_shim(workdir)
         self.procs: dict[str, Proc] = {}
         self.startup_s: dict[str, float] = {}
@@ -545,7 +567,13 @@ class Deployment:
     def start_engine(self, engine: EngineSpec, *, wait: bool = True) -> Proc:
         """Start one engine (again, after a kill: same ports, same command)."""
         argv, env = self.engine_command(engine)
-        proc = Proc.start(engine.name, argv, env, self.workdir / f"{engine.name}.log")
+        proc = Proc.start(
+            engine.name,
+            argv,
+            env,
+            self.workdir / f"{engine.name}.log",
+            wrap=self.wrap.get(engine.name, ()),
+        )
         self.procs[engine.name] = proc
         if wait:
             self.wait_engine(engine)
@@ -569,7 +597,11 @@ class Deployment:
     def start_router(self) -> Proc:
         """Start vllm-router in front of the engines and wait until it answers."""
         proc = Proc.start(
-            "router", self.router_command(), dict(os.environ), self.workdir / "router.log"
+            "router",
+            self.router_command(),
+            dict(os.environ),
+            self.workdir / "router.log",
+            wrap=self.wrap.get("router", ()),
         )
         self.procs["router"] = proc
         self.startup_s["router"] = wait_healthy(proc, self.router_url, 60.0)
@@ -591,14 +623,18 @@ class Deployment:
 
 
 @contextlib.contextmanager
-def plain_engine(model: ModelSpec, workdir: Path, engine: EngineSpec) -> Iterator[Proc]:
-    """A non-disaggregated ``vllm serve`` (the baseline the P/D outputs must equal)."""
+def plain_engine(
+    model: ModelSpec, workdir: Path, engine: EngineSpec, *, wrap: Sequence[str] = ()
+) -> Iterator[Proc]:
+    """A non-disaggregated ``vllm serve`` (the baseline the P/D outputs must equal),
+    started under ``wrap`` (:meth:`Proc.start`)."""
     shim = vllm_cpu_shim(workdir)
     proc = Proc.start(
         engine.name,
         serve_argv(model, engine, None),
         engine_env(engine, shim=shim),
         workdir / f"{engine.name}.log",
+        wrap=wrap,
     )
     try:
         wait_healthy(proc, engine.url, ENGINE_START_TIMEOUT_S)

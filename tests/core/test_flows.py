@@ -62,6 +62,23 @@ def test_normal_flow_exact_times() -> None:
     net.check_no_silent_overlap()
 
 
+def test_reader_snapshot_counts_its_tables_and_empties_when_the_request_leaves() -> None:
+    net = one_pair()
+    granted(net)
+    net.run_until(1.0)
+    r = net.reader("D0")
+    snap = r.stats_snapshot("reader_")
+    assert (snap["reader_requests"], snap["reader_sessions"]) == (1, 1)
+    assert snap["reader_tracked"] == 1  # a counter beside the table sizes
+    net.start_read("D0", "r1")
+    net.run_until(2.0)
+    net.finish("D0", "r1")
+    net.run_until(3.0)
+    snap = r.stats_snapshot("reader_")
+    # The session stays for the next request to that holder; the request is gone.
+    assert (snap["reader_requests"], snap["reader_sessions"]) == (0, 1)
+
+
 def test_deadline_tracks_each_heartbeat_arrival_with_latency() -> None:
     net = one_pair(latency=0.25)
     lease = granted(net)

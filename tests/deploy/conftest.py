@@ -140,11 +140,10 @@ def wait_lost_freed(p_url: str, timeout_s: float = 5.0) -> tuple[float, float]:
     slack, and P sees it only inside a pump, once or twice per engine step, so the
     longest gap between P's pumps meanwhile (its own gauge; a prefill batch's step
     lasts up to a second on these 2 cores) adds to it, and one scrape."""
-    from kvproto_transports.nixl.transport import PROBE_DETECTION_SLACK_S
-    from kvproto_vllm.config import DEFAULT_PROBE_INTERVAL_S
+    from kvproto_tools.chaos.bounds import Terms, peer_lost_s
 
     took, gap = wait_p_gauges_zero(p_url, ("leases_held",), timeout_s)
-    return took, DEFAULT_PROBE_INTERVAL_S + PROBE_DETECTION_SLACK_S + gap + SCRAPE_S
+    return took, peer_lost_s(Terms(pump_gap_s=gap, scrape_s=SCRAPE_S))
 
 
 def wait_p_gauges_zero(

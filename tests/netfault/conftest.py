@@ -7,7 +7,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from .netns import Link, remove_stale, unavailable_reason
+from kvproto_tools.netns import remove_stale, unavailable_reason
+
+from .netns import Link
 
 REASON = unavailable_reason()
 REQUIRED = os.environ.get("KVPROTO_REQUIRE_NETNS") == "1"

@@ -21,195 +21,42 @@ namespaces. Its :class:`Faults` change the link for real, in the kernel:
 
 Processes run inside a namespace by entering it (``setns``, and a private
 /sys as ``ip netns exec`` mounts one) first thing in a spawned child
-(:func:`spawn_in`); a socket made by :func:`socket_in` belongs
-to the namespace it was made in, whichever thread uses it later.
+(:func:`kvproto_tools.netns.spawn_in`); a socket made by
+:func:`kvproto_tools.netns.socket_in` belongs to the namespace it was made in,
+whichever thread uses it later. Those primitives live in
+:mod:`kvproto_tools.netns`, shared with ``kvproto chaos``.
 
-Every namespace and interface carries :data:`PREFIX` and a per-run id, and
-:func:`remove_stale` deletes those of a run that crashed. Nothing here reaches
-outside the namespaces it created.
+Every namespace and interface carries :data:`~kvproto_tools.netns.PREFIX` and a
+per-run id, and :func:`~kvproto_tools.netns.remove_stale` deletes those of a run
+that crashed. Nothing here reaches outside the namespaces it created.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import heapq
 import json
 import multiprocessing
 import os
 import random
 import select
-import shutil
 import socket
-import subprocess
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
-PREFIX = "kvnf"
-"""Prefix of every namespace and interface this module creates."""
-_CLONE_NEWNET = 0x40000000
-_CLONE_NEWNS = 0x00020000
-_MS_REC, _MS_SLAVE, _MNT_DETACH = 0x4000, 1 << 19, 2
-_NETNS_DIR = "/run/netns"
-_CMD_TIMEOUT_S = 10.0
+from kvproto_tools.netns import (
+    PREFIX,
+    NetnsUnavailable,
+    answers,
+    netns_names,
+    run_tool,
+    spawn_in,
+)
+
 _ETH_P_ALL = 0x0003
 _PACKET_OUTGOING = 4
-
-
-class NetnsUnavailable(Exception):
-    """Namespaces cannot be made here (not root, no ``ip netns``, no iptables)."""
-
-
-def unavailable_reason() -> str | None:
-    """Why namespace tests cannot run here, or None if they can."""
-    if os.geteuid() != 0:
-        return "network namespaces need root"
-    for tool in ("ip", "iptables"):
-        if shutil.which(tool) is None:
-            return f"`{tool}` is not installed (apt-get install iproute2 iptables)"
-    name = f"{PREFIX}-probe-{os.getpid()}"
-    try:
-        _run("ip", "netns", "add", name)
-    except NetnsUnavailable as exc:
-        return f"`ip netns add` failed: {exc}"
-    try:
-        _run("ip", "netns", "exec", name, "iptables", "-w", "-L", "INPUT", "-n")
-    except NetnsUnavailable as exc:
-        return f"iptables does not work inside a namespace: {exc}"
-    finally:
-        with contextlib.suppress(NetnsUnavailable):
-            _run("ip", "netns", "del", name)
-    return None
-
-
-def _run(*argv: str) -> str:
-    try:
-        done = subprocess.run(
-            argv, capture_output=True, text=True, timeout=_CMD_TIMEOUT_S, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise NetnsUnavailable(f"{' '.join(argv)}: {exc}") from exc
-    if done.returncode != 0:
-        raise NetnsUnavailable(f"{' '.join(argv)}: {done.stderr.strip() or done.returncode}")
-    return done.stdout
-
-
-def _netns_names() -> list[str]:
-    out = _run("ip", "netns", "list")
-    return [line.split()[0] for line in out.splitlines() if line.strip()]
-
-
-def remove_stale() -> list[str]:
-    """Delete this module's namespaces left by a run whose process is gone; returns their names.
-
-    Names are ``kvnf-<pid>-<n>-<host>``: a namespace whose pid is not alive
-    is stale (deleting a namespace also deletes the veth ends inside it).
-    """
-    removed = []
-    for name in _netns_names():
-        parts = name.split("-")
-        if len(parts) < 3 or parts[0] != PREFIX or not parts[1].isdigit():
-            continue
-        pid = int(parts[1])
-        if pid == os.getpid():
-            continue
-        try:
-            os.kill(pid, 0)
-            continue  # that run is alive: not ours to delete
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue
-        with contextlib.suppress(NetnsUnavailable):
-            _run("ip", "netns", "del", name)
-            removed.append(name)
-    return removed
-
-
-def enter(netns: str) -> None:
-    """Move the calling thread into namespace ``netns`` (``setns(CLONE_NEWNET)``)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = os.open(os.path.join(_NETNS_DIR, netns), os.O_RDONLY)
-    try:
-        if libc.setns(fd, _CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"setns({netns}): {os.strerror(err)}")
-    finally:
-        os.close(fd)
-
-
-def socket_in(netns: str, family: int, kind: int) -> socket.socket:
-    """A socket of namespace ``netns``, made by a short-lived thread that entered it."""
-    made: list[socket.socket | BaseException] = []
-
-    def make() -> None:
-        try:
-            enter(netns)
-            made.append(socket.socket(family, kind))
-        except BaseException as exc:
-            made.append(exc)
-
-    t = threading.Thread(target=make, name=f"socket-in-{netns}")
-    t.start()
-    t.join(_CMD_TIMEOUT_S)
-    if not made:
-        raise TimeoutError(f"no socket from {netns}")
-    if isinstance(made[0], BaseException):
-        raise made[0]
-    return made[0]
-
-
-def _private_sysfs() -> None:
-    """Give the calling (single-threaded) process its own mount namespace with this netns's /sys.
-
-    What ``ip netns exec`` does: /sys/class/net lists the devices of the
-    namespace that mounted sysfs, and UCX finds its network devices there.
-    """
-    libc = ctypes.CDLL(None, use_errno=True)
-
-    def check(rc: int, what: str) -> None:
-        if rc != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"{what}: {os.strerror(err)}")
-
-    check(libc.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
-    check(libc.mount(b"none", b"/", None, _MS_REC | _MS_SLAVE, None), "mount --make-rslave /")
-    check(libc.umount2(b"/sys", _MNT_DETACH), "umount /sys")
-    check(libc.mount(b"sysfs", b"/sys", b"sysfs", 0, None), "mount sysfs /sys")
-
-
-def _child_entry(
-    netns: str, env: dict[str, str], target: Callable[..., None], args: tuple[Any, ...]
-) -> None:
-    enter(netns)
-    _private_sysfs()
-    os.environ.update(env)
-    target(*args)
-
-
-def spawn_in(
-    netns: str,
-    target: Callable[..., None],
-    args: tuple[Any, ...],
-    *,
-    env: dict[str, str] | None = None,
-    name: str = "netns-child",
-) -> multiprocessing.process.BaseProcess:
-    """Start ``target(*args)`` in a spawned child that first enters ``netns``.
-
-    ``env`` is set in the child before ``target`` imports anything (UCX reads
-    ``UCX_NET_DEVICES`` and ``UCX_TLS`` when its context is made). The child
-    is a daemon: it dies with the test process.
-    """
-    ctx = multiprocessing.get_context("spawn")
-    proc = ctx.Process(
-        target=_child_entry, args=(netns, dict(env or {}), target, args), name=name, daemon=True
-    )
-    proc.start()
-    return proc
 
 
 class Faults:
@@ -226,7 +73,7 @@ class Faults:
             self._ipt(host, "-I", "INPUT", "-i", link.ifname[host], "-j", self.CHAIN)
 
     def _ipt(self, host: str, *args: str) -> None:
-        _run("ip", "netns", "exec", host, "iptables", "-w", *args)
+        run_tool("ip", "netns", "exec", host, "iptables", "-w", *args)
 
     def _flush(self) -> None:
         for host in (self._link.p, self._link.d):
@@ -262,12 +109,12 @@ class Faults:
 
     def link_down(self) -> None:
         """``ip link set down`` the D end of the link (the P end loses carrier)."""
-        _run("ip", "-n", self._link.d, "link", "set", self._link.ifname[self._link.d], "down")
+        run_tool("ip", "-n", self._link.d, "link", "set", self._link.ifname[self._link.d], "down")
         self.state = "down"
 
     def link_up(self) -> None:
         """Bring the D end back up and wait (bounded) until P answers over it again."""
-        _run("ip", "-n", self._link.d, "link", "set", self._link.ifname[self._link.d], "up")
+        run_tool("ip", "-n", self._link.d, "link", "set", self._link.ifname[self._link.d], "up")
         self.state = "healthy"
         self._link.wait_reachable(timeout_s=5.0)
 
@@ -325,34 +172,34 @@ class Link:
     def _build(self, delayer: bool, short: str) -> None:
         hosts = [self.p, self.d] + ([self.r] if delayer else [])
         for ns in hosts:
-            _run("ip", "netns", "add", ns)
-            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            run_tool("ip", "netns", "add", ns)
+            run_tool("ip", "-n", ns, "link", "set", "lo", "up")
         if not delayer:
-            _run(
+            run_tool(
                 "ip", "link", "add", self.ifname[self.p], "netns", self.p,
                 "type", "veth", "peer", "name", self.ifname[self.d], "netns", self.d,
             )  # fmt: skip
         else:
             self.bridge_ifs = (f"kvrp{short}", f"kvrd{short}")
             for host, bif in zip((self.p, self.d), self.bridge_ifs, strict=True):
-                _run(
+                run_tool(
                     "ip", "link", "add", self.ifname[host], "netns", host,
                     "type", "veth", "peer", "name", bif, "netns", self.r,
                 )  # fmt: skip
-                _run("ip", "-n", self.r, "link", "set", bif, "up")
+                run_tool("ip", "-n", self.r, "link", "set", bif, "up")
                 # Offloads would hand the raw socket 64 KiB super-frames it cannot resend,
                 # and frames whose checksum the receiving host would still have to fill in.
                 for off in ("tx", "rx", "tso", "gso", "gro"):
                     with contextlib.suppress(NetnsUnavailable):
-                        _run("ip", "netns", "exec", self.r, "ethtool", "-K", bif, off, "off")
+                        run_tool("ip", "netns", "exec", self.r, "ethtool", "-K", bif, off, "off")
         for host in (self.p, self.d):
             ifn = self.ifname[host]
-            _run("ip", "-n", host, "addr", "add", f"{self.addr[host]}/24", "dev", ifn)
-            _run("ip", "-n", host, "link", "set", ifn, "up")
+            run_tool("ip", "-n", host, "addr", "add", f"{self.addr[host]}/24", "dev", ifn)
+            run_tool("ip", "-n", host, "link", "set", ifn, "up")
             if delayer:  # the same reason: frames must fit the bridge's MTU
                 for off in ("tx", "rx", "tso", "gso", "gro"):
                     with contextlib.suppress(NetnsUnavailable):
-                        _run("ip", "netns", "exec", host, "ethtool", "-K", ifn, off, "off")
+                        run_tool("ip", "netns", "exec", host, "ethtool", "-K", ifn, off, "off")
         if delayer:
             parent, child = multiprocessing.get_context("spawn").Pipe()
             self._bridge = spawn_in(
@@ -384,28 +231,17 @@ class Link:
 
     def rx_bytes(self, host: str) -> int:
         """Bytes ``host``'s link interface has received."""
-        out = _run("ip", "-j", "-s", "-n", host, "link", "show", "dev", self.ifname[host])
+        out = run_tool("ip", "-j", "-s", "-n", host, "link", "show", "dev", self.ifname[host])
         return int(json.loads(out)[0]["stats64"]["rx"]["bytes"])
 
     def wait_reachable(self, timeout_s: float) -> float:
         """Bounded wait until a TCP connect from D to P gets an answer; returns seconds."""
         start = time.monotonic()
-        deadline = start + timeout_s
-        while True:
-            sock = socket_in(self.d, socket.AF_INET, socket.SOCK_STREAM)
-            try:
-                sock.settimeout(0.5)
-                # Nothing listens on port 9 at P: a refusal (RST) proves the path works.
-                sock.connect((self.addr[self.p], 9))
-                return time.monotonic() - start
-            except ConnectionRefusedError:
-                return time.monotonic() - start
-            except OSError:
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(f"{self.p} not reachable from {self.d}") from None
-                time.sleep(0.05)
-            finally:
-                sock.close()
+        while not answers(self.d, self.addr[self.p]):
+            if time.monotonic() - start >= timeout_s:
+                raise TimeoutError(f"{self.p} not reachable from {self.d}")
+            time.sleep(0.05)
+        return time.monotonic() - start
 
     def close(self) -> None:
         """End the delayer and delete the namespaces (idempotent, never raises)."""
@@ -423,11 +259,11 @@ class Link:
             self._bridge_conn = None
         existing = set()
         with contextlib.suppress(NetnsUnavailable):
-            existing = set(_netns_names())
+            existing = set(netns_names())
         for ns in (self.p, self.d, self.r):
             if ns and ns in existing:
                 with contextlib.suppress(NetnsUnavailable):
-                    _run("ip", "netns", "del", ns)
+                    run_tool("ip", "netns", "del", ns)
 
     def __enter__(self) -> Link:
         return self

@@ -12,32 +12,16 @@ from __future__ import annotations
 import multiprocessing
 from typing import Any
 
+from kvproto_tools.netns import spawn_in
 from kvproto_transports.testing import serve
 from tests.transports.nixl.lease_node import LeaseNode
 from tests.transports.nixl.node import NodeProcess
-
-from .netns import spawn_in
 
 NODE_CLS = {
     "nixl": "tests.netfault.nodes:NetLeaseNode",
     "ucx": "tests.netfault.nodes:UcxLeaseNode",
 }
 """Node class run in the child, per transport."""
-
-
-def transport_env(ifname: str) -> dict[str, str]:
-    """UCX (NIXL's backend too) over TCP on the namespace's link only.
-
-    Without ``UCX_TLS=tcp`` UCX would pick shared memory or CMA, which cross
-    network namespaces (they share /dev/shm and the pid space) and would
-    bypass the faulty link; ``UCX_NET_DEVICES`` keeps it off ``lo``.
-    """
-    return {
-        "UCX_TLS": "tcp",
-        "UCX_NET_DEVICES": ifname,
-        "UCX_WARN_UNUSED_ENV_VARS": "n",
-        "KVPROTO_NIXL_PROGRESS_THREAD": "0",
-    }
 
 
 class NsNodeProcess(NodeProcess):

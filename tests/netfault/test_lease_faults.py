@@ -22,10 +22,11 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvproto_tools.netns import socket_in
 from kvproto_transports.nixl import nixl_available
 from kvproto_transports.ucx import ucx_available, unavailable_reason
 
-from .netns import Link, socket_in
+from .netns import Link
 from .world import World, until
 
 NIXL_OK, NIXL_WHY = nixl_available()

@@ -9,8 +9,10 @@ import time
 
 import pytest
 
-from . import netns
-from .netns import Link, socket_in
+from kvproto_tools import netns
+from kvproto_tools.netns import socket_in
+
+from .netns import Link
 
 pytestmark = pytest.mark.usefixtures("netns_ok")
 

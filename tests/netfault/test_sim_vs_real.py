@@ -15,14 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import pytest
-
 from kvproto.config import LeaseConfig
-from kvproto_tools.sim import engine, flows
-from kvproto_tools.sim.context import Context
-from kvproto_tools.sim.kvproto_side import KvprotoSide
-from kvproto_tools.sim.model import Hold
-from kvproto_tools.sim.policies import MAX_NOTIFICATION, Policy
+from kvproto_tools.sim import engine
+from kvproto_tools.sim.policies import MAX_NOTIFICATION, kvproto_policy
 from kvproto_tools.sim.scenarios import QueueWait, Scenario
 
 from .world import CONFIG
@@ -41,22 +36,7 @@ class _End:
     reader: str
 
 
-def _policy(cfg: LeaseConfig) -> Policy:
-    def make(transports: list, name: str, incarnation: int, seed: str) -> KvprotoSide:  # type: ignore[type-arg]
-        return KvprotoSide(transports, name, incarnation, cfg, seed)
-
-    return Policy(
-        name="kvproto-6s",
-        summary="kvproto with the network-fault tests' 6 s leases",
-        turn1_ttl=cfg.grant_ttl,
-        turn2_ttl=cfg.decoder_kv_blocks_ttl,
-        make=make,
-    )
-
-
-def test_simulated_partition_reclaims_where_the_rule_says(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_simulated_partition_reclaims_where_the_rule_says() -> None:
     cfg = LeaseConfig(**CONFIG, max_notification_size=MAX_NOTIFICATION)
     scenario = Scenario(
         name="netfault-partition",
@@ -67,16 +47,27 @@ def test_simulated_partition_reclaims_where_the_rule_says(
         queue_wait=QueueWait(kind="uniform", a=2.0, b=12.0),
         partition=("D1", "P1", CUT, (LENGTH, LENGTH)),
     )
-    ends: list[_End] = []
-    real_end_hold = flows.end_hold
-
-    def recording_end_hold(ctx: Context, hold: Hold, *, lost: bool) -> None:
-        reader = hold.req.reader.name if hold.req is not None and hold.req.reader else ""
-        ends.append(_End(hold.engine.name, hold.granted_at, ctx.clock.t, hold.end_reason, reader))
-        real_end_hold(ctx, hold, lost=lost)
-
-    monkeypatch.setattr(flows, "end_hold", recording_end_hold)
-    result = engine.Simulator(scenario, _policy(cfg), seed=0, liveness=True).run()
+    sim = engine.Simulator(
+        scenario,
+        kvproto_policy(
+            cfg, name="kvproto-6s", summary="kvproto with the network-fault tests' 6 s leases"
+        ),
+        seed=0,
+        liveness=True,
+        hold_log=True,
+    )
+    result = sim.run()
+    assert sim.books.ended is not None
+    ends = [
+        _End(
+            h.engine.name,
+            h.granted_at,
+            h.ended_at if h.ended_at is not None else float("inf"),
+            h.end_reason,
+            h.req.reader.name if h.req is not None and h.req.reader else "",
+        )
+        for h in sim.books.ended
+    ]
     assert result.metrics["safety_violations"] == 0 and result.metrics["overlapped_reads"] == 0
 
     heal = CUT + LENGTH

@@ -25,12 +25,12 @@ require_vllm()
 
 import multiprocessing as mp  # noqa: E402
 
+from kvproto_tools.netns import spawn_in, transport_env  # noqa: E402
 from tests.vllm.engine_proc import EngineProc, EngineSpec, _child_main, free_port  # noqa: E402
 from tests.vllm.kvproto_config import events, kvproto_config  # noqa: E402
 from tests.vllm.tiny_model import make_prompt  # noqa: E402
 
-from .netns import Link, spawn_in  # noqa: E402
-from .nodes import transport_env  # noqa: E402
+from .netns import Link  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvproto.config import LeaseConfig
+from kvproto_tools.netns import transport_env
 
 from .netns import Link
-from .nodes import NODE_CLS, NsNodeProcess, transport_env
+from .nodes import NODE_CLS, NsNodeProcess
 
 CONFIG: dict[str, Any] = {"kv_lease_duration": 6.0, "read_margin": 1.0, "ack_timeout": 2.0}
 """Short leases so each fault takes seconds: heartbeat interval 1 s, extension 4 s."""

@@ -1,10 +1,11 @@
-"""The ``kvproto`` command: ``simulate``, ``conformance``, ``bench``.
+"""The ``kvproto`` command: ``simulate``, ``conformance``, ``bench``, ``chaos``.
 
 ``kvproto simulate`` with no arguments runs every scenario under the four
 default policies once and prints the comparison table; spec/simulator.md is
 its manual, and ``kvproto simulate --explain`` prints its figures' definitions
-(the wheel ships no spec/). ``conformance`` and ``bench`` hand their arguments to the
-transport conformance kit and the benchmarks, imported only when asked for.
+(the wheel ships no spec/). ``conformance``, ``bench`` and ``chaos`` hand their arguments
+to the transport conformance kit, the benchmarks and the chaos run (spec/chaos.md),
+imported only when asked for.
 
 Errors a user can make (an unknown or empty selection, an output path that
 cannot be written, a missing optional dependency) are one line on stderr and
@@ -63,6 +64,7 @@ def install_hint(module: str | None) -> str:
 _DELEGATES = {
     "conformance": "kvproto_transports.conformance.cli",
     "bench": "kvproto_tools.bench",
+    "chaos": "kvproto_tools.chaos.cli",
 }
 
 FENCED_POLICY = "kvproto"
@@ -155,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, helptext in (
         ("conformance", "run the transport conformance suite (kvproto conformance --help)"),
         ("bench", "run the benchmarks (kvproto bench --help)"),
+        ("chaos", "faults mixed with traffic on the real P/D deployment (kvproto chaos --help)"),
     ):
         p = sub.add_parser(name, help=helptext, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)

@@ -38,6 +38,7 @@ class Books:
         "crash_holds",
         "crash_time",
         "drops",
+        "ended",
         "extra",
         "faults_pending",
         "held_blocks",
@@ -49,7 +50,7 @@ class Books:
         "timeline",
     )
 
-    def __init__(self, clock: Agenda, *, record_timeline: bool) -> None:
+    def __init__(self, clock: Agenda, *, record_timeline: bool, hold_log: bool = False) -> None:
         self.clock = clock
         self.metrics = Metrics()
         """The figures (JSON ``metrics``)."""
@@ -74,6 +75,8 @@ class Books:
         """The holds the crashed reader was going to read (reclaim_s)."""
         self.drops: list[tuple[float, Hold]] = []
         """(when, hold) of every request the router dropped before its reader (reclaim_s)."""
+        self.ended: list[Hold] | None = [] if hold_log else None
+        """Every hold that ended, in order, when kept (``Simulator(hold_log=True)``)."""
 
     def note(self, text: str) -> None:
         """Add an event to the trace ring."""

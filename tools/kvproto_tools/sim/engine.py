@@ -30,7 +30,7 @@ from kvproto_tools.sim.memory import BlockPool, block_len
 from kvproto_tools.sim.model import EngineState, ReadRec, Req, ReqState
 from kvproto_tools.sim.oracles import Violation
 from kvproto_tools.sim.policies import MAX_NOTIFICATION, POLICIES, Policy
-from kvproto_tools.sim.scenarios import CLUSTER, SCENARIOS, Scenario
+from kvproto_tools.sim.scenarios import SCENARIOS, Scenario
 from kvproto_tools.sim.settings import Settings
 from kvproto_tools.sim.sides import Side
 from kvproto_tools.sim.transport import SimTransport
@@ -89,7 +89,9 @@ class Simulator:
         liveness: bool = False,
         timeline: bool = False,
         settings: Settings | None = None,
+        hold_log: bool = False,
     ) -> None:
+        """``hold_log``: keep every hold that ended (``books.ended``), for a comparison."""
         self.scenario = SCENARIOS[scenario] if isinstance(scenario, str) else scenario
         self.policy = POLICIES[policy] if isinstance(policy, str) else policy
         self.seed = seed
@@ -106,7 +108,7 @@ class Simulator:
                 default_link=sc.link,
             )
         )
-        self.books = Books(self.clock, record_timeline=timeline)
+        self.books = Books(self.clock, record_timeline=timeline, hold_log=hold_log)
         self.cluster = Cluster()
         self.ctx = Context(
             clock=self.clock,
@@ -121,7 +123,7 @@ class Simulator:
         )
         self.events = 0
         max_prefill = self.settings.prefill_time(sc.prompt_tokens[1])
-        for spec in CLUSTER:
+        for spec in sc.cluster:
             eng = EngineState(spec, sc.clocks.get(spec.name, NodeClock()))
             if spec.role == "D":
                 eng.steps = StepClock(sc.d_steps, random.Random(f"{self.base}/steps/{spec.name}"))

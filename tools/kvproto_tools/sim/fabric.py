@@ -8,7 +8,7 @@ if TYPE_CHECKING:
     from kvproto.transport import PeerId, ReadId
     from kvproto_tools.sim.model import EngineState, ReadRec
     from kvproto_tools.sim.transport import SimTransport
-    from kvproto_transports.loopback import LoopbackNetwork
+    from kvproto_transports.loopback import LinkFaults, LoopbackNetwork
 
 
 class Fabric:
@@ -34,6 +34,13 @@ class Fabric:
                     self.net.heal(f"{a.name}r{ra}", f"{b.name}r{rb}")
                 else:
                     self.net.partition(f"{a.name}r{ra}", f"{b.name}r{rb}")
+
+    def set_links(self, a: EngineState, b: EngineState, faults: LinkFaults) -> None:
+        """Set the faults of every link between two engines' ranks, both ways."""
+        for ra in range(a.tp):
+            for rb in range(b.tp):
+                self.net.set_link(f"{a.name}r{ra}", f"{b.name}r{rb}", faults)
+                self.net.set_link(f"{b.name}r{rb}", f"{a.name}r{ra}", faults)
 
     def crash(self, eng: EngineState) -> None:
         """``kill -9``: the engine's endpoints vanish from the network."""

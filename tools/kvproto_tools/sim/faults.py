@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import random
 from typing import TYPE_CHECKING
 
@@ -11,6 +13,7 @@ from kvproto_tools.sim.model import ReqState
 if TYPE_CHECKING:
     from kvproto_tools.sim.context import FaultView
     from kvproto_tools.sim.model import EngineState
+    from kvproto_tools.sim.scenarios import FaultEvent
 
 
 def schedule_faults(ctx: FaultView, rng: random.Random) -> None:
@@ -31,6 +34,32 @@ def schedule_faults(ctx: FaultView, rng: random.Random) -> None:
         ctx.books.faults_pending += 2
         ctx.clock.at(when, lambda: cut(ctx, a, b, heal=False))
         ctx.clock.at(when + length, lambda: cut(ctx, a, b, heal=True))
+    for event in sc.events:
+        ctx.books.faults_pending += 1
+        ctx.clock.at(event.at, functools.partial(apply, ctx, event))
+
+
+def apply(ctx: FaultView, event: FaultEvent) -> None:
+    """One event of the scenario's timeline (:class:`~kvproto_tools.sim.scenarios.FaultEvent`)."""
+    engines = ctx.cluster.engines
+    if event.action == "kill":
+        ctx.books.faults_pending -= 1
+        eng = engines[event.engines[0]]
+        ctx.books.note(f"kill -9 {eng.name}")
+        kill(ctx, eng)
+    elif event.action == "restart":
+        restart(ctx, engines[event.engines[0]])
+    elif event.action in ("cut", "heal"):
+        cut(ctx, *event.engines, heal=event.action == "heal")
+    elif event.action in ("loss", "lossless"):
+        ctx.books.faults_pending -= 1
+        a, b = (engines[name] for name in event.engines)
+        lossy = dataclasses.replace(ctx.scenario.link, drop=event.drop)
+        link = lossy if event.action == "loss" else ctx.scenario.link
+        ctx.fabric.set_links(a, b, link)
+        ctx.books.note(f"{event.action} {a.name} <-> {b.name}")
+    else:
+        raise ValueError(f"unknown fault action {event.action!r}")
 
 
 def cut(ctx: FaultView, a: str, b: str, *, heal: bool) -> None:

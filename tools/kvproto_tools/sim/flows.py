@@ -176,6 +176,8 @@ def end_hold(ctx: LedgerView, hold: Hold, *, lost: bool) -> None:
     if lost:
         hold.end_reason = "lost"
     del eng.holds[hold.key]
+    if ctx.books.ended is not None:
+        ctx.books.ended.append(hold)
     ctx.books.open_holds -= 1
     ctx.books.held(-hold.nblocks)
     req = hold.req

@@ -49,8 +49,19 @@ KVPROTO_CONFIG = LeaseConfig(max_notification_size=MAX_NOTIFICATION)
 for at most 20 s, 480 s turn-2 TTL)."""
 
 
-def _kvproto(transports: list[SimTransport], name: str, incarnation: int, seed: str) -> Side:
-    return KvprotoSide(transports, name, incarnation, KVPROTO_CONFIG, seed)
+def kvproto_policy(config: LeaseConfig, *, name: str, summary: str) -> Policy:
+    """kvproto's core with ``config`` (the default policy, or a real run's lease settings)."""
+
+    def make(transports: list[SimTransport], engine: str, incarnation: int, seed: str) -> Side:
+        return KvprotoSide(transports, engine, incarnation, config, seed)
+
+    return Policy(
+        name=name,
+        summary=summary,
+        turn1_ttl=config.grant_ttl,
+        turn2_ttl=config.decoder_kv_blocks_ttl,
+        make=make,
+    )
 
 
 POLICIES: dict[str, Policy] = {
@@ -100,12 +111,10 @@ POLICIES: dict[str, Policy] = {
             turn2_ttl=480.0,
             make=_vllm(VllmLeaseConfig()),
         ),
-        Policy(
+        kvproto_policy(
+            KVPROTO_CONFIG,
             name="kvproto",
             summary="kvproto's core: sessions, fenced reads, distinct consumers",
-            turn1_ttl=KVPROTO_CONFIG.grant_ttl,
-            turn2_ttl=KVPROTO_CONFIG.decoder_kv_blocks_ttl,
-            make=_kvproto,
         ),
     )
 }

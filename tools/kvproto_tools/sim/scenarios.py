@@ -51,6 +51,22 @@ class QueueWait:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class FaultEvent:
+    """One change at a moment of a scenario's fault timeline (``Scenario.events``)."""
+
+    at: float
+    """Global time, seconds."""
+    action: str
+    """``kill`` (kill -9), ``restart`` (the next incarnation), ``cut`` or ``heal`` (every link
+    between two engines), ``loss`` (drop ``drop`` of the frames between two engines, each
+    way) or ``lossless`` (their links healthy again)."""
+    engines: tuple[str, ...]
+    """The engine (kill, restart) or the two engines (the others)."""
+    drop: float = 0.0
+    """``loss``: the fraction of frames dropped."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Scenario:
     """A workload plus at most one kind of fault."""
 
@@ -95,6 +111,11 @@ class Scenario:
     router_release: bool = False
     """The router hands the holder the ticket of each request it drops (a release path no
     router offers today; spec/timing.md weighs it against the claim window)."""
+    cluster: tuple[EngineSpec, ...] = CLUSTER
+    """The engines (default: the four of :data:`CLUSTER`)."""
+    events: tuple[FaultEvent, ...] = ()
+    """Any number of faults at given times, beside (or instead of) the single ones above:
+    how a chaos run's schedule is replayed (spec/chaos.md)."""
 
 
 _SKEW = {

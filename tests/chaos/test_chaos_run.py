@@ -1,0 +1,59 @@
+"""The short chaos run, as CI runs it: ``kvproto chaos --duration 3m`` on the real deployment.
+
+Two prefill engines and a decoder (``vllm serve``) behind vllm-router on hosts in
+network namespaces, three minutes of mixed load with the seed's faults (seed 1:
+a decoder killed and restarted, a link flap, a short partition, as they fit), then
+the checker and the simulator. The command's exit status is the checker's
+verdict; the report lands in pytest's terminal summary. spec/chaos.md has the
+30-minute run's figures.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from kvproto_tools.chaos.checker import Verdict
+from kvproto_tools.netns import unavailable_reason
+from tests.deploy.conftest import require_deployment
+
+from .conftest import REPORTS
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+SEED = 1
+DURATION = "3m"
+
+
+def test_three_minutes_of_faults_and_traffic_leave_nothing_wrong_and_nothing_stranded(
+    tmp_path: Path,
+) -> None:
+    require_deployment()
+    why = unavailable_reason()
+    if why is not None:
+        if os.environ.get("KVPROTO_REQUIRE_NETNS") == "1":
+            pytest.fail(f"KVPROTO_REQUIRE_NETNS=1 but network namespaces: {why}")
+        pytest.skip(f"the chaos run's hosts are network namespaces: {why}")
+    started = time.monotonic()
+    argv = ["--out", str(tmp_path), "--duration", DURATION, "--seed", str(SEED)]
+    run = subprocess.run(
+        [sys.executable, "-m", "kvproto_tools", "chaos", *argv],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=False,
+    )
+    took = time.monotonic() - started
+    report = (tmp_path / "report.txt").read_text() if (tmp_path / "report.txt").exists() else ""
+    REPORTS.append(f"kvproto chaos {' '.join(argv[2:])}: {took:.0f} s in all\n{report}")
+    assert run.returncode == 0, f"{report}\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    verdict = msgspec.json.decode((tmp_path / "verdict.json").read_bytes(), type=Verdict)
+    assert verdict.violations == [] and verdict.answers["wrong"] == 0
+    assert verdict.answers["ok"] > 50 and sum(verdict.faults.values()) >= 1, verdict.answers
+    assert (tmp_path / "chaos.png").stat().st_size > 10_000
