@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable, Sequence
 from kvproto import auth, legacy, wire
 from kvproto.config import LeaseConfig
 from kvproto.errors import LocalProtocolError, RemoteProtocolError
-from kvproto.events import FreeBlocks, HolderOutput, ReleaseReason, SendFrame
+from kvproto.events import FreeBlocks, HolderOutput, ReleaseReason, SendFrame, WriteFenced
 from kvproto.holder_claimers import UNCLAIMED
 from kvproto.holder_leases import (
     GRANTED,
@@ -49,12 +49,14 @@ from kvproto.holder_leases import (
 )
 from kvproto.holder_members import NOBODY, SEVERAL, SessionLeases
 from kvproto.holder_timers import DeadlineQueue
+from kvproto.holder_writes import WriteFence
 from kvproto.ratelimit import ReplayWindow, TokenBucket
 from kvproto.states import (
     LeaseInput,
     LeaseState,
     PeerSessionInput,
     PeerSessionState,
+    WriteState,
     done_verdict,
     lease_next,
     peer_session_next,
@@ -211,14 +213,25 @@ class Holder:
         self._granted = 0  # live leases by state, kept as plain ints (Enum hashing is slow)
         self._held = 0
         self._out: list[HolderOutput] = []
+        self._fence = WriteFence()
+        """Writable leases (push mode) and their armed writers (spec/push-mode.md)."""
 
     # ------------------------------------------------------------------ API
 
-    def grant(self, now: float, *, request_id: str, ttl: float | None = None) -> LeaseTicket:
+    def grant(
+        self,
+        now: float,
+        *,
+        request_id: str,
+        ttl: float | None = None,
+        writable: bool = False,
+    ) -> LeaseTicket:
         """Grant a lease on the blocks of ``request_id``; the ticket goes to the reader.
 
         ``ttl`` defaults to ``kv_lease_duration``; pass ``decoder_kv_blocks_ttl``
-        for bidirectional turn-2 blocks.
+        for bidirectional turn-2 blocks. ``writable``: the reader *writes* the blocks
+        (push mode): its claims arm the write fence, and the blocks are let go only
+        once no write can land (``WriteFenced``, spec/push-mode.md).
         """
         lifetime = self.config.kv_lease_duration if ttl is None else ttl
         if not 0 < lifetime <= self.config.max_hold:  # also refuses NaN (it would poison the queue)
@@ -227,19 +240,20 @@ class Holder:
         problem = self._request_problem(ticket)
         if problem is not None:
             raise LocalProtocolError(problem)
-        self._hold(now, ticket)
+        self._hold(now, ticket, writable)
         return ticket
 
-    def adopt(self, now: float, ticket: LeaseTicket) -> None:
+    def adopt(self, now: float, ticket: LeaseTicket, *, writable: bool = False) -> None:
         """Hold a lease minted elsewhere for this engine (vLLM: by the scheduler).
 
         The deadline is taken relative to ``now`` on this clock, so holders in
         processes with unrelated clocks never free early (vLLM #50326).
+        ``writable`` as in :meth:`grant`.
         """
         problem = self.adoption_problem(ticket)
         if problem is not None:
             raise LocalProtocolError(problem)
-        self._hold(now, ticket)
+        self._hold(now, ticket, writable)
 
     def adoption_problem(self, ticket: LeaseTicket) -> str | None:
         """Why :meth:`adopt` would refuse ``ticket``, or None if it would hold it.
@@ -261,11 +275,13 @@ class Holder:
             return f"request {ticket.request_id!r} already has a lease"
         return None
 
-    def _hold(self, now: float, ticket: LeaseTicket) -> None:
+    def _hold(self, now: float, ticket: LeaseTicket, writable: bool) -> None:
         # grant and adopt have refused what they must (adopt: adoption_problem).
         slot = self._leases.add(ticket, now, self.config.max_hold)
         self._granted += 1
         self.stats.grants += 1
+        if writable:
+            self._fence.writable.add(ticket.lease)
         self._schedule_lease(slot)
 
     def revoke(self, now: float, lease_id: int) -> None:
@@ -278,12 +294,20 @@ class Holder:
         self._end(now, slot, LeaseInput.REVOKE, ReleaseReason.REVOKED)
 
     def peer_lost(self, now: float, peer: PeerId) -> None:
-        """The transport says ``peer`` is gone: end the leases only its session held."""
+        """The transport says ``peer`` is gone: end the leases only its session held.
+
+        Also the proof that the peer can write no more (push mode): its sessions are
+        disarmed, the current one and any the holder forgot under that name.
+        """
         session = self._sessions.pop(peer, None)
         state = PeerSessionState.ABSENT if session is None else PeerSessionState.OPEN
         peer_session_next(state, PeerSessionInput.LOST)
         if session is not None:
+            self._disarm_session(now, session.serial)
             self._forget_session(now, session, lost=True)
+        if self._fence.writable:
+            for lease, reason in self._fence.peer_lost(peer):
+                self._settle(now, lease, reason)
         self._buckets.pop(peer, None)
 
     def handle_frame(self, now: float, peer: PeerId, data: bytes) -> None:
@@ -427,6 +451,11 @@ class Holder:
             return None
         return min(self._live_until(slot), self._leases.hard[slot])
 
+    def write_state(self, lease_id: int) -> WriteState:
+        """The write fence's state of a writable lease (SETTLED once its blocks may be
+        reused, and for every lease that was never writable)."""
+        return self._fence.state(lease_id)
+
     def is_live(self, lease_id: int) -> bool:
         """True while the lease's blocks are held (granted or held, not ended)."""
         slot = self._leases.slot(lease_id)
@@ -448,6 +477,7 @@ class Holder:
         snap[prefix + "leases_held"] = self._held
         snap[prefix + "sessions"] = len(self._sessions)
         snap[prefix + "tombstones"] = len(self._tombstones)
+        snap[prefix + "leases_quarantined"] = self._fence.quarantined()
         return snap
 
     # ------------------------------------------------------------ frames
@@ -544,8 +574,11 @@ class Holder:
             self._send_keyed(peer, refusal, wire.Reject(reason=RejectReason.WRONG_RANK))
             return
         if old is not None and event is PeerSessionInput.RESTARTED:
-            # The same transport name with a new incarnation: the old reader died.
+            # The same transport name with a new incarnation: the old reader died. Not
+            # proof that it can write no more (any engine can say this Hello): its armed
+            # leases wait for the transport's word on the peer (spec/push-mode.md §5).
             del self._sessions[peer]
+            self._fence.orphan(peer, old.serial)
             self._forget_session(now, old, lost=True)
             old = None
             event = PeerSessionInput.FIRST
@@ -682,6 +715,7 @@ class Holder:
         serial = session.serial
         deadline = session.deadline
         cap = self.config.max_leases_per_session
+        writable = self._fence.writable
         held: list[tuple[int, float]] = []
         attached = False
         promoted = 0
@@ -704,6 +738,8 @@ class Holder:
                 self._transition(slot, _IN_CLAIM)
             attach(slot, leases, lease)
             attached = True
+            if writable and lease in writable:
+                self._fence.arm(lease, serial)  # acknowledged below: the writer may write
             # Just attached: renewed by this session alone unless others renew it too.
             # max and min as expressions (a call to either costs more than the claim's
             # other arithmetic); each column read once, as a read boxes a new float.
@@ -777,6 +813,9 @@ class Holder:
         (slot,) = self._check_claims(session, (claim,))
         if slot is None:
             return
+        if self._fence.writable:
+            # The writer aborts only with no write of it in flight (push mode, W3).
+            self._disarm(now, claim.lease, session.serial)
         if self._leases.terminal(slot):
             # an explicit "late" row: stays ended
             lease_next(self._leases.state(slot), _IN_ABORT)
@@ -809,6 +848,9 @@ class Holder:
         # heartbeat carrying the claim was lost or delayed), _check_claims has just
         # recorded this session as the first claimer of the live lease, and the done
         # counts as claim + done.
+        if slot is not None and self._fence.writable:
+            # The done rode this session's write, after its data: it can write no more.
+            self._disarm(now, claim.lease, session.serial)
         verdict = _VERDICT_REFUSED if slot is None else self._apply_done(now, session, slot)
         proof = b""
         if slot is not None and verdict is _VERDICT_HELD:
@@ -936,10 +978,41 @@ class Holder:
         setattr(self.stats, counter, getattr(self.stats, counter) + 1)
         lease_id = self._leases.ids[slot]
         request_id = self._leases.request_id(slot)
+        writable = self._fence.writable
+        if writable and lease_id in writable and self._fence.end(lease_id, reason):
+            # A writer may still write into the blocks: not used, not reused, and not
+            # forgotten (its done or abort must find it) until the last disarm.
+            self.stats.write_fenced += 1
+            self._out.append(WriteFenced(lease=lease_id, request_id=request_id, reason=reason))
+            return
         self._out.append(FreeBlocks(lease=lease_id, request_id=request_id, reason=reason))
+        self._tombstone(now, lease_id)
+
+    def _tombstone(self, now: float, lease_id: int) -> None:
+        """Remember an ended lease for late frames, for ``tombstone_ttl`` (and a cap)."""
         self._tombstones.append((now + self.config.tombstone_ttl, lease_id))
         if len(self._tombstones) > self.config.max_tombstones:
             self._leases.forget(self._tombstones.popleft()[1])
+
+    def _disarm(self, now: float, lease_id: int, serial: int) -> None:
+        """Session ``serial`` can write no more into ``lease_id``: settle it if it was the
+        last writer of a quarantined lease."""
+        reason = self._fence.disarm(lease_id, serial)
+        if reason is not None:
+            self._settle(now, lease_id, reason)
+
+    def _disarm_session(self, now: float, serial: int) -> None:
+        """Session ``serial``'s peer was lost: it can write into nothing any more."""
+        if self._fence.is_armed(serial):
+            for lease_id, reason in self._fence.disarm_session(serial):
+                self._settle(now, lease_id, reason)
+
+    def _settle(self, now: float, lease_id: int, reason: ReleaseReason) -> None:
+        """A quarantined lease's last writer was disarmed: its blocks may be reused now."""
+        slot = self._leases.slot(lease_id)
+        request_id = "" if slot is None else self._leases.request_id(slot)
+        self._out.append(FreeBlocks(lease=lease_id, request_id=request_id, reason=reason))
+        self._tombstone(now, lease_id)
 
     def _attach(self, slot: int, session: _Session) -> None:
         self._leases.members.attach(slot, session.leases, self._leases.ids[slot])
@@ -969,7 +1042,7 @@ class Holder:
 
     def _evict_idle_session(self) -> bool:
         for peer, session in self._sessions.items():
-            if not session.leases.count:
+            if not session.leases.count and not self._fence.is_armed(session.serial):
                 del self._sessions[peer]
                 self._leases.members.close(session.leases)
                 self._by_serial.pop(session.serial, None)

@@ -84,6 +84,7 @@ _HELLO_SENT = SessionState.HELLO_SENT
 _IDLE = SessionState.IDLE
 _ON_ACK_HELD = ReadInput.ACK_HELD
 _ON_BEGIN_READ = ReadInput.BEGIN_READ
+_ON_BEGIN_WRITE = ReadInput.BEGIN_WRITE
 _ON_CLAIM_ACKED = ReadInput.CLAIM_ACKED
 _ON_FAIL = ReadInput.FAIL
 _ON_FINISH = ReadInput.FINISH
@@ -162,14 +163,22 @@ class Reader:
         then ``get_timer`` with no input between) then costs two comparisons."""
         self._out = holders.out
         """What the binding must do, in order; one list with ``holders.out`` (:meth:`drain`)."""
+        self._held_aborts: dict[tuple[str, int], tuple[str, int, bytes]] = {}
+        """(request id, holder rank) → (holder engine, lease, proof) of an abort held back
+        while that part's write is in flight (push mode, W3); sent if the write fails."""
 
     # ------------------------------------------------------------------ API
 
-    def track(self, now: float, *, request_id: str, ticket: LeaseTicket) -> None:
+    def track(
+        self, now: float, *, request_id: str, ticket: LeaseTicket, writes: bool = False
+    ) -> None:
         """Start keeping ``ticket``'s lease alive: call when the request enters the scheduler.
 
         A bad ticket fails the request (``RequestFailed``). Tracking an id that
-        is tracked already is misuse: :class:`LocalProtocolError`.
+        is tracked already is misuse: :class:`LocalProtocolError`. ``writes``: this
+        reader writes the holder's blocks (push mode, spec/push-mode.md): the claim
+        arms the holder's write fence, so track only once the data is ready to go, and
+        write with :meth:`begin_write`.
         """
         self._wake = _UNKNOWN
         if request_id in self._requests:
@@ -182,7 +191,9 @@ class Reader:
             route = self._routes.get((ticket.holder_engine, ticket.holder_tp_size))
             sessions = self._holders.route(ticket) if route is None else route
         if not sessions:
-            req = self._requests[request_id] = Request(request_id, ticket, b"", now, {})
+            req = self._requests[request_id] = Request(
+                request_id, ticket, b"", now, {}, writes=writes
+            )
             self._fail(now, req, FailReason.BAD_TICKET)
             return
         lease = ticket.lease
@@ -209,7 +220,9 @@ class Reader:
                     restarted.append(session)
             elif session.skew.known and bounds.ticket_bound(session.skew, ticket, now) <= now:
                 problem = FailReason.BAD_TICKET
-        req = self._requests[request_id] = Request(request_id, ticket, proof, now, parts)
+        req = self._requests[request_id] = Request(
+            request_id, ticket, proof, now, parts, writes=writes
+        )
         if problem is not None:
             self._fail(now, req, problem)
             return
@@ -297,10 +310,7 @@ class Reader:
         self._wake = _UNKNOWN
         req = self._get(request_id)
         if req.fail_reason is not None:
-            for part in req.parts.values():
-                part.state = read_next(part.state, _ON_BEGIN_READ)  # the table: it stays failed
-            self.stats.reads_after_failure += 1
-            return ReadDeclined(reason=req.fail_reason)
+            return self._declined_after_failure(req, req.fail_reason, _ON_BEGIN_READ)
         if not self.ready_to_read(request_id):
             raise LocalProtocolError(f"request {request_id!r} has no open session yet")
         margin = bounds.read_margin(self.config.read_margin, req.ticket)
@@ -338,26 +348,112 @@ class Reader:
                 self._done_goes(now, group, rank, part.done_frame)
             else:
                 part.done_frame = b""  # a sibling still reads: the done waits for it
-            slices = part_slices(
-                self.rank,
-                self.tp_size,
-                req.ticket.holder_tp_size,
-                rank,
-                replicated=self.replicated_kv,
-            )
-            local_slice, remote_slice = slices or _WHOLE
-            orders.append(
-                ReadOrder(
-                    holder_rank=rank,
-                    peer=session.peer,
-                    notify=part.done_frame,
-                    local_slice=local_slice,
-                    remote_slice=remote_slice,
-                    carries_data=slices is not None,
-                )
-            )
+            orders.append(self._order(req, session, rank, part.done_frame))
         self.stats.reads_started += len(orders)
         return ReadGo(orders=tuple(orders))
+
+    def _declined_after_failure(
+        self, req: Request, reason: FailReason, event: ReadInput
+    ) -> ReadDeclined:
+        """A begin of a request that failed since the caller's checks (a race): declined."""
+        for part in req.parts.values():
+            part.state = read_next(part.state, event)  # the table: it stays failed
+        self.stats.reads_after_failure += 1
+        return ReadDeclined(reason=reason)
+
+    def _order(self, req: Request, session: Session, rank: int, notify: bytes) -> ReadOrder:
+        """The transfer this reader rank makes with holder ``rank``, ``notify`` attached."""
+        slices = part_slices(
+            self.rank,
+            self.tp_size,
+            req.ticket.holder_tp_size,
+            rank,
+            replicated=self.replicated_kv,
+        )
+        local_slice, remote_slice = slices or _WHOLE
+        return ReadOrder(
+            holder_rank=rank,
+            peer=session.peer,
+            notify=notify,
+            local_slice=local_slice,
+            remote_slice=remote_slice,
+            carries_data=slices is not None,
+        )
+
+    def write_ready(self, request_id: str) -> bool:
+        """A ``writes=True`` request may begin its write: every holder rank it writes to
+        has an open session and acknowledged its claim (so the holder armed it).
+
+        An id not tracked is misuse (:class:`LocalProtocolError`; ask :meth:`is_tracked`).
+        """
+        req = self._get(request_id)
+        return self.ready_to_read(request_id) and all(
+            p.state is _CLAIMED for p in req.parts.values()
+        )
+
+    def begin_write(self, now: float, request_id: str) -> ReadGo | ReadDeclined:
+        """Decide whether to write a ``writes=True`` request now (push mode).
+
+        ``ReadGo`` lists one WRITE per holder rank, each with the done to attach (the
+        holder must receive it only after the data landed). Declined, and the request
+        failed, when the lower bound on the holder's deadline is within ``read_margin``
+        (no deferral: the claim was just acknowledged). A request that failed meanwhile
+        is declined as :meth:`begin_read` declines it. Misuse
+        (:class:`LocalProtocolError`): an id not tracked, one tracked without
+        ``writes``, or one not :meth:`write_ready` (its claim not acknowledged).
+        """
+        self._wake = _UNKNOWN
+        req = self._get(request_id)
+        if not req.writes:
+            raise LocalProtocolError(f"request {request_id!r} was not tracked to write")
+        if req.fail_reason is not None:
+            return self._declined_after_failure(req, req.fail_reason, _ON_BEGIN_WRITE)
+        if not self.write_ready(request_id):
+            raise LocalProtocolError(
+                f"request {request_id!r} may not write yet: a claim is not acknowledged"
+            )
+        margin = bounds.read_margin(self.config.read_margin, req.ticket)
+        if any(now + margin >= self._deadline_bound(req, r, now) for r in req.parts):
+            self._decline(now, req)
+            return ReadDeclined(reason=FailReason.DEADLINE_TOO_CLOSE)
+        orders = []
+        for rank, part in req.parts.items():
+            session = self._sessions[(req.ticket.holder_engine, rank)]
+            part.state = read_next(part.state, _ON_BEGIN_WRITE)
+            part.done_frame = done_frame(req, session.up)
+            part.writing = True
+            orders.append(self._order(req, session, rank, part.done_frame))
+        self.stats.reads_started += len(orders)
+        self.stats.writes_started += len(orders)
+        return ReadGo(orders=tuple(orders))
+
+    def write_completed(self, now: float, request_id: str, holder_rank: int) -> None:
+        """The transport says the write to ``holder_rank`` landed (remote completion): its
+        done went with it, so an abort held back for it is dropped; then as
+        :meth:`read_completed` (the holder's verdict is awaited)."""
+        self._write_ended(request_id, holder_rank)
+        self.read_completed(now, request_id, holder_rank)
+
+    def write_failed(self, now: float, request_id: str, holder_rank: int) -> None:
+        """The transport says the write to ``holder_rank`` failed (none of its data lands
+        any more): an abort held back for it leaves now; then as :meth:`read_failed`."""
+        held = self._write_ended(request_id, holder_rank)
+        if held is not None:
+            engine, lease, proof = held
+            session = self._sessions.get((engine, holder_rank))
+            if session is not None and session.state is _OPEN:
+                session.beats.pending_aborts[lease] = proof
+                self._holders.beat(now, session)
+        self.read_failed(now, request_id, holder_rank)
+
+    def _write_ended(self, request_id: str, rank: int) -> tuple[str, int, bytes] | None:
+        """The part's write is no longer in flight: the abort held back for it, if any."""
+        self._wake = _UNKNOWN
+        req = self._requests.get(request_id)
+        part = None if req is None else req.parts.get(rank)
+        if part is not None:
+            part.writing = False
+        return self._held_aborts.pop((request_id, rank), None)
 
     def read_completed(self, now: float, request_id: str, holder_rank: int) -> None:
         """The transport says the read from ``holder_rank`` landed; await the verdict.
@@ -815,6 +911,12 @@ class Reader:
             self._release_lease(now, session, lease)
         else:
             self._release(now, session, lease, req.request_id)
+        if req.parts[rank].writing:
+            # Its write is in flight: an abort now could overtake the data and let the
+            # holder reuse the blocks under it (spec/push-mode.md, W3).
+            self._held_aborts[(req.request_id, rank)] = (req.ticket.holder_engine, lease, req.proof)
+            self.stats.aborts_held += 1
+            return
         if session.state is _OPEN:
             session.beats.pending_aborts[lease] = req.proof
             self._holders.beat(now, session)  # free the holder's memory now, not at the next tick

@@ -51,6 +51,9 @@ class Part(msgspec.Struct, gc=False):
     resends: int = 0
     defer_seq: int = -1
     """Deferred read: the heartbeat seq whose acknowledgement settles it (-1: none awaited)."""
+    writing: bool = False
+    """A write (push mode) of this part is in flight: no abort may leave until the
+    transport reports it (spec/push-mode.md, W3)."""
 
 
 class Request(msgspec.Struct, gc=False):
@@ -65,6 +68,9 @@ class Request(msgspec.Struct, gc=False):
     """Deferred read: without the holder's answer by then, the request is declined."""
     fail_reason: FailReason | None = None
     """Why the request failed (None: it has not)."""
+    writes: bool = False
+    """The request *writes* the holder's blocks (push mode): the reader writes only on an
+    acknowledged claim and holds an abort back while a write is in flight."""
 
     @property
     def failed(self) -> bool:

@@ -41,6 +41,13 @@ reads. Both directions run the same two state machines.
    MAX_HOLD or PEER_LOST. An ended lease is never revived: later claims are
    answered "lost", later dones LATE.
 
+6. **Push.** In push mode the reader *writes* the holder's blocks (a writable
+   lease: D holds its empty blocks, P writes). A claim of a writable lease arms
+   the writer; the lease's blocks are let go only once no armed writer can
+   write any more (its done, its abort, its loss): a lease that ends earlier is
+   quarantined (:data:`WRITE_TRANSITIONS`, spec/push-mode.md). The writer begins
+   only on an acknowledged claim (``begin-write``).
+
 The tables below are the whole lease life cycle. A ``(state, input)`` pair
 missing from a table is a bug in the caller and raises
 :class:`~kvproto.errors.LocalProtocolError`; remote input that is not allowed
@@ -291,6 +298,9 @@ class ReadInput(enum.Enum):
     """begin_read renewed the lease early instead of declining (once per request)."""
     BEGIN_READ = "begin-read"
     """The binding is starting the read."""
+    BEGIN_WRITE = "begin-write"
+    """The binding is starting the write of a ``writes=True`` request (push mode): only
+    once the holder acknowledged the claim (spec/push-mode.md, W2)."""
     READ_DONE = "read-done"
     """The transport reported the read complete."""
     ACK_HELD = "ack-held"
@@ -316,6 +326,9 @@ READ_TRANSITIONS: dict[tuple[ReadState, ReadInput], ReadState] = {
     (_R.CLAIMED, _I.BEGIN_READ): _R.READING,
     (_R.CLAIMED, _I.FAIL): _R.FAILED,
     (_R.CLAIMED, _I.FINISH): _R.FINISHED,
+    # A write begins only on an acknowledged claim (the holder armed the writer first):
+    # no (TRACKED, BEGIN_WRITE) or (DEFERRED, BEGIN_WRITE) row.
+    (_R.CLAIMED, _I.BEGIN_WRITE): _R.READING,
     # No (DEFERRED, DEFER) row: one deferral per request, so a read that the early
     # heartbeat did not save is declined, never deferred again (no livelock).
     (_R.DEFERRED, _I.CLAIM_ACKED): _R.DEFERRED,
@@ -338,6 +351,7 @@ READ_TRANSITIONS: dict[tuple[ReadState, ReadInput], ReadState] = {
     # A request can fail between the caller's checks and begin_read (a race): it
     # stays failed and the reader declines it.
     (_R.FAILED, _I.BEGIN_READ): _R.FAILED,
+    (_R.FAILED, _I.BEGIN_WRITE): _R.FAILED,
     (_R.FAILED, _I.CLAIM_ACKED): _R.FAILED,
     (_R.FAILED, _I.READ_DONE): _R.FAILED,
     (_R.FAILED, _I.ACK_HELD): _R.FAILED,
@@ -359,7 +373,9 @@ is not read -- except ``(FAILED, BEGIN_READ)``: a request can fail between the
 caller's checks and its begin_read, which declines it. DEFERRED has no DEFER
 row: a request is deferred at most once. Pairs still absent (a DEFER or
 BEGIN_READ after the read began or ended, a READ_DONE before any read) are
-calls the reader never makes."""
+calls the reader never makes. BEGIN_WRITE (push mode) is taken only from CLAIMED,
+and from FAILED for the same race as BEGIN_READ: a write never starts before the
+holder acknowledged the claim that arms it, and never twice."""
 
 
 def read_next(state: ReadState, event: ReadInput) -> ReadState:
@@ -476,3 +492,58 @@ def session_next(state: SessionState, event: SessionInput) -> SessionState:
         raise LocalProtocolError(
             f"session in state {state.value} cannot take {event.value}"
         ) from None
+
+
+class WriteState(enum.Enum):
+    """Holder-side state of a writable lease's blocks (push mode: spec/push-mode.md §3)."""
+
+    OPEN = "open"
+    """Live, no writer armed: the blocks could be freed at once."""
+    ARMED = "armed"
+    """Live, and a writer session may write into the blocks."""
+    QUARANTINED = "quarantined"
+    """Ended while a writer may still write: neither used nor reused (``WriteFenced``)."""
+    SETTLED = "settled"
+    """Ended, and no write can land any more: ``FreeBlocks`` emitted (terminal)."""
+
+    __hash__ = object.__hash__  # identity hash in C (see LeaseState)
+
+
+class WriteInput(enum.Enum):
+    """What can happen to a writable lease's blocks."""
+
+    ARM = "arm"
+    """A writer session's claim of the lease was accepted: it may write from now on."""
+    DISARM = "disarm"
+    """An armed session can write no more (its done or abort arrived, or its peer was
+    lost), and another is still armed."""
+    LAST_DISARM = "last-disarm"
+    """The last armed session can write no more."""
+    END = "end"
+    """The lease ended, for any reason (DONE included)."""
+
+    __hash__ = object.__hash__  # identity hash in C (see LeaseState)
+
+
+_W = WriteState
+_WI = WriteInput
+WRITE_TRANSITIONS: dict[tuple[WriteState, WriteInput], WriteState] = {
+    (_W.OPEN, _WI.ARM): _W.ARMED,
+    (_W.OPEN, _WI.END): _W.SETTLED,
+    (_W.ARMED, _WI.ARM): _W.ARMED,
+    (_W.ARMED, _WI.DISARM): _W.ARMED,
+    (_W.ARMED, _WI.LAST_DISARM): _W.OPEN,
+    (_W.ARMED, _WI.END): _W.QUARANTINED,
+    (_W.QUARANTINED, _WI.DISARM): _W.QUARANTINED,
+    (_W.QUARANTINED, _WI.LAST_DISARM): _W.SETTLED,
+}
+"""Entering QUARANTINED emits ``WriteFenced``, entering SETTLED ``FreeBlocks``. Absent on
+purpose: ARM after the end (a claim of an ended lease is answered lost, it arms nothing),
+a DISARM with nobody armed (only armed sessions are disarmed), a second END (a lease ends
+once), and anything in SETTLED (the lease is out of the write fence: a late done or abort
+of it is the lease table's business alone)."""
+
+
+def write_next(state: WriteState, event: WriteInput) -> WriteState:
+    """Look the transition up; a missing pair is a LocalProtocolError."""
+    return _row(WRITE_TRANSITIONS, state, event, "writable lease")

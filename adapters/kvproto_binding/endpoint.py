@@ -40,6 +40,7 @@ from kvproto.events import (
     ReadOrder,
     RequestFailed,
     SendFrame,
+    WriteFenced,
 )
 from kvproto.holder import Holder
 from kvproto.reader import Reader
@@ -81,12 +82,15 @@ class StepResult:
     """Reader: requests whose loaded blocks are safe to use."""
     connects: tuple[Connect, ...] = ()
     """Reader: holders to make reachable (answer with :meth:`Endpoint.connected`)."""
+    fenced: tuple[WriteFenced, ...] = ()
+    """Holder, writable leases (push mode): ended while a writer may still write; the
+    request recomputes, the blocks wait for their ``freed`` entry."""
 
 
 NOTHING = StepResult()
 """What a step returns when the engine has nothing to do (most steps): one shared value."""
 
-_EngineOutput = FreeBlocks | RequestFailed | ReadConfirmed | Connect
+_EngineOutput = FreeBlocks | RequestFailed | ReadConfirmed | Connect | WriteFenced
 
 
 def _step_result(outputs: list[_EngineOutput]) -> StepResult:
@@ -96,6 +100,7 @@ def _step_result(outputs: list[_EngineOutput]) -> StepResult:
         failed=tuple(o for o in outputs if isinstance(o, RequestFailed)),
         confirmed=tuple(o.request_id for o in outputs if isinstance(o, ReadConfirmed)),
         connects=tuple(o for o in outputs if isinstance(o, Connect)),
+        fenced=tuple(o for o in outputs if isinstance(o, WriteFenced)),
     )
 
 
