@@ -55,6 +55,9 @@ class FailReason(enum.Enum):
     """The holder could not be reached."""
     BAD_TICKET = "bad-ticket"
     """The ticket is unusable (wrong TP layout, expired before arrival)."""
+    NOT_ARMED = "not-armed"
+    """Push mode: the holder did not answer the writer's Arm within ``ack_timeout``;
+    nothing was written."""
 
 
 class SendFrame(msgspec.Struct, frozen=True, kw_only=True):

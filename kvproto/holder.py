@@ -333,6 +333,8 @@ class Holder:
                 self._on_heartbeat(now, session, msg)
             elif isinstance(msg, wire.Done):
                 self._on_done(now, session, msg.claim)
+            elif isinstance(msg, wire.Arm):
+                self._on_arm(now, session, msg.claim)
             else:
                 self.stats.unexpected_frames += 1
             return
@@ -351,7 +353,7 @@ class Holder:
                 self.stats.bad_mac += 1
                 return
             self._on_hello(now, peer, msg)
-        elif not isinstance(msg, (wire.Heartbeat, wire.Done)):
+        elif not isinstance(msg, (wire.Heartbeat, wire.Done, wire.Arm)):
             self.stats.unexpected_frames += 1
         elif session is None:
             self.stats.no_session += 1
@@ -715,7 +717,6 @@ class Holder:
         serial = session.serial
         deadline = session.deadline
         cap = self.config.max_leases_per_session
-        writable = self._fence.writable
         held: list[tuple[int, float]] = []
         attached = False
         promoted = 0
@@ -738,8 +739,6 @@ class Holder:
                 self._transition(slot, _IN_CLAIM)
             attach(slot, leases, lease)
             attached = True
-            if writable and lease in writable:
-                self._fence.arm(lease, serial)  # acknowledged below: the writer may write
             # Just attached: renewed by this session alone unless others renew it too.
             # max and min as expressions (a call to either costs more than the claim's
             # other arithmetic); each column read once, as a read boxes a new float.
@@ -856,6 +855,23 @@ class Holder:
         if slot is not None and verdict is _VERDICT_HELD:
             proof = session.verdict_prover(self._leases.token(slot), claim.lease, verdict)
         self._send_session(session, wire.DoneAck(lease=claim.lease, verdict=verdict, proof=proof))
+
+    def _on_arm(self, now: float, session: _Session, claim: wire.Claim) -> None:
+        """Push mode: the writer is about to write; arm it if it may (its session holds the
+        live writable lease) and say so: it writes only on ``armed``."""
+        self.stats.arm_frames += 1
+        (slot,) = self._check_claims(session, (claim,))
+        ack = wire.ArmAck(lease=claim.lease, armed=False)
+        if (
+            slot is not None
+            and claim.lease in self._fence.writable
+            and not self._leases.terminal(slot)
+            and self._leases.members.holds(slot, session.serial)
+        ):
+            self._fence.arm(claim.lease, session.serial)
+            left = min(self._live_until(slot), self._leases.hard[slot]) - now
+            ack = wire.ArmAck(lease=claim.lease, armed=True, left=left)
+        self._send_session(session, ack)
 
     def _done_input(self, session: _Session, slot: int) -> LeaseInput:
         """What a proven done is to its lease; the tables decide what it does."""

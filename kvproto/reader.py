@@ -46,6 +46,7 @@ from kvproto.events import (
 from kvproto.reader_dones import AwaitedDones, done_frame, verdict_of
 from kvproto.reader_frames import Unheard, heard
 from kvproto.reader_requests import (
+    UNKNOWN_WAKE,
     Deferrals,
     Part,
     Request,
@@ -56,6 +57,7 @@ from kvproto.reader_requests import (
 )
 from kvproto.reader_session import NEED_KEEPS_STATE, Fanout, ReaderSide, Session
 from kvproto.reader_sessions import HolderSessions
+from kvproto.reader_writes import ReaderWrites
 from kvproto.states import (
     DoneAckAction,
     ReadInput,
@@ -84,7 +86,6 @@ _HELLO_SENT = SessionState.HELLO_SENT
 _IDLE = SessionState.IDLE
 _ON_ACK_HELD = ReadInput.ACK_HELD
 _ON_BEGIN_READ = ReadInput.BEGIN_READ
-_ON_BEGIN_WRITE = ReadInput.BEGIN_WRITE
 _ON_CLAIM_ACKED = ReadInput.CLAIM_ACKED
 _ON_FAIL = ReadInput.FAIL
 _ON_FINISH = ReadInput.FINISH
@@ -98,12 +99,14 @@ _STILL_READS = _UNSTARTED | {_READING}
 _NEEDS_LEASE = _STILL_READS | {_AWAITING_ACK}
 """... and in these it still needs the lease not aborted (a verdict may be on its way)."""
 _WHOLE = (BlockSlice.FULL, BlockSlice.FULL)  # a done-only order's (unused) slices
-_UNKNOWN = -math.inf  # Reader._wake: an input came since get_timer last looked
+_UNKNOWN = UNKNOWN_WAKE
 _NEVER = math.inf  # Reader._wake: no timer is set
 
 
-class Reader:
-    """Reader-side lease state for one reader rank. See the module docstring."""
+class Reader(ReaderWrites):
+    """Reader-side lease state for one reader rank. See the module docstring.
+
+    Push mode's writer side (``track(..., writes=True)``) is :class:`ReaderWrites`."""
 
     def __init__(
         self,
@@ -380,81 +383,6 @@ class Reader:
             carries_data=slices is not None,
         )
 
-    def write_ready(self, request_id: str) -> bool:
-        """A ``writes=True`` request may begin its write: every holder rank it writes to
-        has an open session and acknowledged its claim (so the holder armed it).
-
-        An id not tracked is misuse (:class:`LocalProtocolError`; ask :meth:`is_tracked`).
-        """
-        req = self._get(request_id)
-        return self.ready_to_read(request_id) and all(
-            p.state is _CLAIMED for p in req.parts.values()
-        )
-
-    def begin_write(self, now: float, request_id: str) -> ReadGo | ReadDeclined:
-        """Decide whether to write a ``writes=True`` request now (push mode).
-
-        ``ReadGo`` lists one WRITE per holder rank, each with the done to attach (the
-        holder must receive it only after the data landed). Declined, and the request
-        failed, when the lower bound on the holder's deadline is within ``read_margin``
-        (no deferral: the claim was just acknowledged). A request that failed meanwhile
-        is declined as :meth:`begin_read` declines it. Misuse
-        (:class:`LocalProtocolError`): an id not tracked, one tracked without
-        ``writes``, or one not :meth:`write_ready` (its claim not acknowledged).
-        """
-        self._wake = _UNKNOWN
-        req = self._get(request_id)
-        if not req.writes:
-            raise LocalProtocolError(f"request {request_id!r} was not tracked to write")
-        if req.fail_reason is not None:
-            return self._declined_after_failure(req, req.fail_reason, _ON_BEGIN_WRITE)
-        if not self.write_ready(request_id):
-            raise LocalProtocolError(
-                f"request {request_id!r} may not write yet: a claim is not acknowledged"
-            )
-        margin = bounds.read_margin(self.config.read_margin, req.ticket)
-        if any(now + margin >= self._deadline_bound(req, r, now) for r in req.parts):
-            self._decline(now, req)
-            return ReadDeclined(reason=FailReason.DEADLINE_TOO_CLOSE)
-        orders = []
-        for rank, part in req.parts.items():
-            session = self._sessions[(req.ticket.holder_engine, rank)]
-            part.state = read_next(part.state, _ON_BEGIN_WRITE)
-            part.done_frame = done_frame(req, session.up)
-            part.writing = True
-            orders.append(self._order(req, session, rank, part.done_frame))
-        self.stats.reads_started += len(orders)
-        self.stats.writes_started += len(orders)
-        return ReadGo(orders=tuple(orders))
-
-    def write_completed(self, now: float, request_id: str, holder_rank: int) -> None:
-        """The transport says the write to ``holder_rank`` landed (remote completion): its
-        done went with it, so an abort held back for it is dropped; then as
-        :meth:`read_completed` (the holder's verdict is awaited)."""
-        self._write_ended(request_id, holder_rank)
-        self.read_completed(now, request_id, holder_rank)
-
-    def write_failed(self, now: float, request_id: str, holder_rank: int) -> None:
-        """The transport says the write to ``holder_rank`` failed (none of its data lands
-        any more): an abort held back for it leaves now; then as :meth:`read_failed`."""
-        held = self._write_ended(request_id, holder_rank)
-        if held is not None:
-            engine, lease, proof = held
-            session = self._sessions.get((engine, holder_rank))
-            if session is not None and session.state is _OPEN:
-                session.beats.pending_aborts[lease] = proof
-                self._holders.beat(now, session)
-        self.read_failed(now, request_id, holder_rank)
-
-    def _write_ended(self, request_id: str, rank: int) -> tuple[str, int, bytes] | None:
-        """The part's write is no longer in flight: the abort held back for it, if any."""
-        self._wake = _UNKNOWN
-        req = self._requests.get(request_id)
-        part = None if req is None else req.parts.get(rank)
-        if part is not None:
-            part.writing = False
-        return self._held_aborts.pop((request_id, rank), None)
-
     def read_completed(self, now: float, request_id: str, holder_rank: int) -> None:
         """The transport says the read from ``holder_rank`` landed; await the verdict.
 
@@ -540,6 +468,8 @@ class Reader:
                 self._lease_failed(now, session, lease, FailReason.REVOKED)
         elif isinstance(msg, wire.Reject):
             self._holders.on_reject(now, session, msg)
+        elif isinstance(msg, wire.ArmAck):
+            self._on_arm_ack(now, session, msg)
         else:
             self.stats.unexpected_frames += 1
 

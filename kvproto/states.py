@@ -42,11 +42,12 @@ reads. Both directions run the same two state machines.
    answered "lost", later dones LATE.
 
 6. **Push.** In push mode the reader *writes* the holder's blocks (a writable
-   lease: D holds its empty blocks, P writes). A claim of a writable lease arms
-   the writer; the lease's blocks are let go only once no armed writer can
-   write any more (its done, its abort, its loss): a lease that ends earlier is
-   quarantined (:data:`WRITE_TRANSITIONS`, spec/push-mode.md). The writer begins
-   only on an acknowledged claim (``begin-write``).
+   lease: D holds its empty blocks, P writes). Claims renew as ever; right
+   before writing, the writer sends an Arm and waits for its ArmAck (ARMING,
+   ARMED). The lease's blocks are let go only once no armed writer can write
+   any more (its done, its abort, its loss): a lease that ends earlier is
+   quarantined (:data:`WRITE_TRANSITIONS`, spec/push-mode.md). The writer
+   writes only armed (``begin-write``).
 
 The tables below are the whole lease life cycle. A ``(state, input)`` pair
 missing from a table is a bug in the caller and raises
@@ -275,8 +276,13 @@ class ReadState(enum.Enum):
     """begin_read found the deadline bound too close only for lack of a recent
     acknowledgement: a heartbeat went out early, the decision waits for its ack
     (at most once per request; ``ack_timeout`` at most)."""
+    ARMING = "arming"
+    """Push mode: the claim was acknowledged and an Arm asks the holder to fence the
+    write; waiting for its ArmAck."""
+    ARMED = "armed"
+    """Push mode: the holder armed the write fence for this writer: it may write."""
     READING = "reading"
-    """The read was issued; the done frame travels with it."""
+    """The read (or write) was issued; the done frame travels with it."""
     AWAITING_ACK = "awaiting-ack"
     """The read finished locally; waiting for the holder's verdict."""
     CONFIRMED = "confirmed"
@@ -298,9 +304,13 @@ class ReadInput(enum.Enum):
     """begin_read renewed the lease early instead of declining (once per request)."""
     BEGIN_READ = "begin-read"
     """The binding is starting the read."""
+    ARM = "arm"
+    """Push mode: an Arm went to the holder (``begin_write`` on a claimed part)."""
+    ARM_ACKED = "arm-acked"
+    """Push mode: the holder answered the Arm: armed."""
     BEGIN_WRITE = "begin-write"
     """The binding is starting the write of a ``writes=True`` request (push mode): only
-    once the holder acknowledged the claim (spec/push-mode.md, W2)."""
+    once the holder armed the writer (spec/push-mode.md, W2)."""
     READ_DONE = "read-done"
     """The transport reported the read complete."""
     ACK_HELD = "ack-held"
@@ -326,9 +336,19 @@ READ_TRANSITIONS: dict[tuple[ReadState, ReadInput], ReadState] = {
     (_R.CLAIMED, _I.BEGIN_READ): _R.READING,
     (_R.CLAIMED, _I.FAIL): _R.FAILED,
     (_R.CLAIMED, _I.FINISH): _R.FINISHED,
-    # A write begins only on an acknowledged claim (the holder armed the writer first):
-    # no (TRACKED, BEGIN_WRITE) or (DEFERRED, BEGIN_WRITE) row.
-    (_R.CLAIMED, _I.BEGIN_WRITE): _R.READING,
+    # Push mode: a claimed part is armed (Arm, then its ArmAck) before it writes, and
+    # writes only armed: no BEGIN_WRITE row from TRACKED, CLAIMED or ARMING.
+    (_R.CLAIMED, _I.ARM): _R.ARMING,
+    (_R.ARMING, _I.ARM): _R.ARMING,  # the Arm re-sent
+    (_R.ARMING, _I.CLAIM_ACKED): _R.ARMING,
+    (_R.ARMING, _I.ARM_ACKED): _R.ARMED,
+    (_R.ARMING, _I.FAIL): _R.FAILED,
+    (_R.ARMING, _I.FINISH): _R.FINISHED,
+    (_R.ARMED, _I.CLAIM_ACKED): _R.ARMED,
+    (_R.ARMED, _I.ARM_ACKED): _R.ARMED,
+    (_R.ARMED, _I.BEGIN_WRITE): _R.READING,
+    (_R.ARMED, _I.FAIL): _R.FAILED,
+    (_R.ARMED, _I.FINISH): _R.FINISHED,
     # No (DEFERRED, DEFER) row: one deferral per request, so a read that the early
     # heartbeat did not save is declined, never deferred again (no livelock).
     (_R.DEFERRED, _I.CLAIM_ACKED): _R.DEFERRED,
@@ -338,6 +358,7 @@ READ_TRANSITIONS: dict[tuple[ReadState, ReadInput], ReadState] = {
     (_R.READING, _I.CLAIM_ACKED): _R.READING,
     (_R.READING, _I.READ_DONE): _R.AWAITING_ACK,
     (_R.READING, _I.ACK_HELD): _R.READING,
+    (_R.READING, _I.ARM_ACKED): _R.READING,  # a duplicated ArmAck
     (_R.READING, _I.FAIL): _R.FAILED,
     (_R.READING, _I.FINISH): _R.FINISHED,
     (_R.AWAITING_ACK, _I.CLAIM_ACKED): _R.AWAITING_ACK,
@@ -357,11 +378,13 @@ READ_TRANSITIONS: dict[tuple[ReadState, ReadInput], ReadState] = {
     (_R.FAILED, _I.ACK_HELD): _R.FAILED,
     (_R.FAILED, _I.FAIL): _R.FAILED,
     (_R.FAILED, _I.FINISH): _R.FAILED,
+    (_R.FAILED, _I.ARM_ACKED): _R.FAILED,
     (_R.FINISHED, _I.CLAIM_ACKED): _R.FINISHED,
     (_R.FINISHED, _I.READ_DONE): _R.FINISHED,
     (_R.FINISHED, _I.ACK_HELD): _R.FINISHED,
     (_R.FINISHED, _I.FAIL): _R.FINISHED,
     (_R.FINISHED, _I.FINISH): _R.FINISHED,
+    (_R.FINISHED, _I.ARM_ACKED): _R.FINISHED,
 }
 """A HELD verdict can overtake the local read-complete report (the done rides
 the transfer, the verdict a notification), hence ``(READING, ACK_HELD)``: it
@@ -373,9 +396,11 @@ is not read -- except ``(FAILED, BEGIN_READ)``: a request can fail between the
 caller's checks and its begin_read, which declines it. DEFERRED has no DEFER
 row: a request is deferred at most once. Pairs still absent (a DEFER or
 BEGIN_READ after the read began or ended, a READ_DONE before any read) are
-calls the reader never makes. BEGIN_WRITE (push mode) is taken only from CLAIMED,
-and from FAILED for the same race as BEGIN_READ: a write never starts before the
-holder acknowledged the claim that arms it, and never twice."""
+calls the reader never makes. Push mode: ARM is taken from CLAIMED (and ARMING, a
+re-send), BEGIN_WRITE only from ARMED, and from FAILED for the same race as
+BEGIN_READ: a write never starts before the holder armed its writer, and never
+twice. An ArmAck that comes late (AWAITING_ACK, CONFIRMED) is dropped before the
+table; one that meets READING, FAILED or FINISHED stays."""
 
 
 def read_next(state: ReadState, event: ReadInput) -> ReadState:
@@ -513,7 +538,7 @@ class WriteInput(enum.Enum):
     """What can happen to a writable lease's blocks."""
 
     ARM = "arm"
-    """A writer session's claim of the lease was accepted: it may write from now on."""
+    """A writer session that holds the live lease sent an Arm: it may write from now on."""
     DISARM = "disarm"
     """An armed session can write no more (its done or abort arrived, or its peer was
     lost), and another is still armed."""

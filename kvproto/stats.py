@@ -61,6 +61,8 @@ class HolderStats:
     freed once no write can land (``WriteFenced``, then ``FreeBlocks``)."""
     done_frames: int = 0
     """Done frames received."""
+    arm_frames: int = 0
+    """Arm frames received (push mode: a writer about to write)."""
     late_done: int = 0
     """Done frames for a lease that had already ended (answered LATE)."""
     duplicate_done: int = 0

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvproto.events import FreeBlocks, ReadDeclined, ReadGo, WriteFenced
+from kvproto.events import FreeBlocks, ReadDeclined, ReadDeferred, ReadGo, WriteFenced
 from kvproto.ticket import LeaseTicket
 
 from .net import Net, Node
@@ -60,17 +60,37 @@ class PushNet(Net):
 
     def start_write(
         self, writer: str, request_id: str, duration: float = 0.0, *, fail: bool = False
-    ) -> ReadGo | ReadDeclined:
-        """Begin the write now; each transfer ends ``duration`` later: then its data has
-        landed and its done arrives, or (``fail``) the transport reports it failed."""
+    ) -> ReadGo | ReadDeclined | None:
+        """Arm and begin the write now: ``begin_write`` until it goes (the Arm's round trip;
+        at once on a link without delay) or is declined. Each transfer ends ``duration``
+        after it began: then its data has landed and its done arrives, or (``fail``) the
+        transport reports it failed. The result is what ``begin_write`` said last (None: the
+        request left the writer, finished, while its Arm was out)."""
         core = self.reader(writer)
         result = core.begin_write(self.local(writer), request_id)
         self.collect()
+        while isinstance(result, ReadDeferred):
+            self.run_until(self.now)  # the Arm and its ArmAck, if the links are instant
+            if not core.is_tracked(request_id):
+                return None  # it left meanwhile (finished): nothing is written
+            result = core.begin_write(self.local(writer), request_id)
+            self.collect()
+            if isinstance(result, ReadDeferred):
+                # Wait for the next frame to land (its ArmAck, say), at most until then.
+                nxt = self._events[0][0] if self._events else math.inf
+                self.run_until(min(nxt, result.until))
+                if not core.is_tracked(request_id):
+                    return None
         if isinstance(result, ReadDeclined):
             return result
+        self._issue(writer, request_id, result, duration, fail)
+        return result
+
+    def _issue(self, writer: str, request_id: str, go: ReadGo, duration: float, fail: bool) -> None:
+        core = self.reader(writer)
         ticket = self.tickets[(writer, request_id)]
         end = self.now + duration
-        for order in result.orders:
+        for order in go.orders:
             record = WriteRecord(writer, request_id, order.peer, ticket.lease, self.now, end, fail)
             self.writes.append(record)
 
@@ -90,7 +110,6 @@ class PushNet(Net):
                 self.collect()
 
             self.at(end, finish_transfer)
-        return result
 
     def crash(self, name: str, *, detect_after: float | None = None) -> None:
         """As :meth:`Net.crash`; the node's writes in flight end now (see the docstring)."""

@@ -2,10 +2,11 @@
 
 Roles reversed (spec/push-mode.md): the holder core runs on D, the reader core on P
 with ``writes=True``. What is checked at the float: the write fence (a lease that ends
-while P may still write is quarantined: ``WriteFenced`` then ``FreeBlocks`` at the
-last disarm, never before the write's data could have landed), the writer's rules
-(write only on an acknowledged claim, with the deadline bound past the margin; hold an
-abort back while the write is in flight), and the frees after P's loss.
+while an armed P may still write is quarantined: ``WriteFenced`` then ``FreeBlocks``
+at the last disarm, never before the write's data could have landed), the writer's
+rules (claims renew, an acknowledged Arm comes right before the write, the deadline
+bound past the margin; an abort is held back while the write is in flight), and the
+frees after P's loss.
 
 Default config: 30 s lease, 5 s interval, 20 s extension, 5 s read margin.
 """
@@ -17,7 +18,7 @@ import pytest
 from kvproto import wire
 from kvproto.config import LeaseConfig
 from kvproto.errors import LocalProtocolError
-from kvproto.events import FailReason, ReadDeclined, ReadGo
+from kvproto.events import FailReason, ReadDeclined, ReadDeferred, ReadGo
 from kvproto.states import LeaseState, ReadState, WriteState
 
 from .net import LinkFaults
@@ -37,12 +38,13 @@ def pair(**link: float) -> PushNet:
 
 
 def claimed(net: PushNet, request_id: str = "r1") -> int:
-    """D grants at 0, P tracks to write at 0; the claim is acknowledged by the return."""
+    """D grants at 0, P tracks to write at 0; the claim is acknowledged by the return (a
+    claim renews the lease, it does not arm the write fence)."""
     ticket = net.grant_writable("D0", "d-" + request_id)
     net.track_writer("P0", request_id, ticket)
     net.run_until(net.now)
     assert net.reader("P0").write_ready(request_id)
-    assert net.holder("D0").write_state(ticket.lease) is WriteState.ARMED
+    assert net.holder("D0").write_state(ticket.lease) is WriteState.OPEN
     return ticket.lease
 
 
@@ -73,6 +75,79 @@ def test_write_on_an_acknowledged_claim_fills_the_blocks_at_the_done() -> None:
     assert net.holder("D0").write_state(lease) is WriteState.SETTLED
     assert net.reader("P0").stats.writes_started == 1
     net.check_write_fence()
+
+
+def test_the_write_waits_for_the_arms_round_trip() -> None:
+    net = pair(latency=0.1)
+    lease = claimed_at_latency(net)
+    writer = net.reader("P0")
+    deferred = writer.begin_write(net.local("P0"), "r1")
+    assert deferred == ReadDeferred(until=1.0 + 5.0, heartbeats=0)
+    assert writer.state("r1") == {0: ReadState.ARMING}
+    net.collect()
+    net.run_until(1.05)
+    assert net.holder("D0").write_state(lease) is WriteState.OPEN  # the Arm lands at 1.1
+    net.run_until(1.1)
+    assert net.holder("D0").write_state(lease) is WriteState.ARMED
+    net.run_until(1.15)
+    assert writer.begin_write(1.15, "r1") == deferred  # the ArmAck lands at 1.2
+    net.run_until(1.25)
+    assert writer.state("r1") == {0: ReadState.ARMED}
+    # The ArmAck's bound: sent 1.0, the lease had 30 - 1.1 left at D: 1.0 + 28.9 less drift.
+    assert writer.deadline_bound(1.25, "r1") == pytest.approx(1.0 + 28.9 * (1 - 500e-6))
+    go = writer.begin_write(1.25, "r1")
+    assert isinstance(go, ReadGo) and writer.state("r1") == {0: ReadState.READING}
+
+
+def claimed_at_latency(net: PushNet) -> int:
+    """As :func:`claimed` over links of 0.1 s: Hello 0 → Welcome 0.2, claim 0.3 → ack 0.4."""
+    ticket = net.grant_writable("D0", "d-r1")
+    net.track_writer("P0", "r1", ticket)
+    net.run_until(1.0)
+    assert net.reader("P0").write_ready("r1")
+    return ticket.lease
+
+
+def test_an_unanswered_arm_is_resent_then_declined() -> None:
+    net = pair(latency=0.1)
+    lease = claimed_at_latency(net)
+    arms: list[float] = []
+
+    def lose_arms(src: str, dst: str, payload: bytes) -> bool:
+        if isinstance(wire.decode(payload), wire.Arm):
+            arms.append(net.now)
+            return False
+        return True
+
+    net.frame_filter = lose_arms
+    writer = net.reader("P0")
+    for t in (1.0, 2.0, 3.0, 4.0, 5.0):
+        net.run_until(t)
+        assert isinstance(writer.begin_write(t, "r1"), ReadDeferred)
+        net.collect()
+    net.run_until(6.0)
+    # Re-sent once a third of ack_timeout passed without an answer; declined at 1 + 5.
+    assert writer.begin_write(6.0, "r1") == ReadDeclined(reason=FailReason.NOT_ARMED)
+    assert arms == [1.0, 3.0, 5.0]
+    net.run_until(10.0)
+    # Never armed: P's abort (not a write in flight) frees D's blocks at its arrival.
+    assert net.freed_leases() == [(6.1, lease, "ABORTED")]
+    assert net.fenced_leases() == []
+
+
+def test_an_arm_of_an_ended_lease_is_refused_and_fails_the_write() -> None:
+    net = pair()
+    lease = claimed(net)
+    net.run_until(1.0)
+    net.holder("D0").revoke(net.local("D0"), lease)
+    net.frame_filter = lambda src, dst, payload: not isinstance(wire.decode(payload), wire.Revoke)
+    net.collect()
+    declined = net.start_write("P0", "r1", duration=0.5)
+    # The ArmAck says "not armed": the request fails LEASE_LOST, and the write never starts.
+    assert declined == ReadDeclined(reason=FailReason.LEASE_LOST)
+    assert net.writes == []
+    assert net.freed_leases() == [(1.0, lease, "REVOKED")]
+    assert net.fenced_leases() == []
 
 
 def test_no_write_before_the_claim_is_acknowledged() -> None:
@@ -112,11 +187,10 @@ def test_write_declined_when_the_bound_is_within_the_margin() -> None:
     assert net.failures("P0") == [(25.0, "r1", "DEADLINE_TOO_CLOSE")]
     assert net.writes == []
     net.run_until(40.0)
-    # Nothing was written: the lease ends at its own deadline... but P aborted it at once
-    # (the abort was lost with every other P frame), so D expires it at 30 and, the
-    # writer armed, quarantines it: no write ever started, yet D cannot know that.
-    assert net.fenced_leases() == [(30.0, lease, "EXPIRED")]
-    assert net.freed_leases() == []
+    # Nothing was armed (the bound was checked before any Arm) and P's abort was lost
+    # with its other frames: D expires the lease at its own deadline and frees it then.
+    assert net.freed_leases() == [(30.0, lease, "EXPIRED")]
+    assert net.fenced_leases() == []
 
 
 def test_slow_write_past_the_deadline_is_quarantined_until_its_done_lands() -> None:
@@ -236,11 +310,29 @@ def test_silent_crash_before_claiming_frees_at_the_deadline() -> None:
     assert net.fenced_leases() == []
 
 
-def test_silent_crash_after_claiming_quarantines_until_the_loss_is_reported() -> None:
+def test_silent_crash_after_claiming_frees_at_the_deadline_when_not_armed() -> None:
+    # P claimed at 0 (its prefill or its queue before the write), renewed until its crash
+    # at 12, and never armed: nothing of it can be in flight, so expiry frees.
+    net = pair()
+    lease = claimed(net)
+    net.run_until(12.0)
+    net.crash("P0")
+    net.run_until(100.0)
+    # Last heartbeat arrived at 10: 10 + 20 = 30 = own deadline.
+    assert net.freed_leases() == [(30.0, lease, "EXPIRED")]
+    assert net.fenced_leases() == []
+
+
+def test_silent_crash_after_arming_quarantines_until_the_loss_is_reported() -> None:
     net = pair()
     lease = claimed(net)
     net.run_until(1.0)
-    net.crash("P0")
+    writer = net.reader("P0")
+    assert isinstance(writer.begin_write(1.0, "r1"), ReadDeferred)
+    net.collect()
+    net.run_until(1.0)
+    assert net.holder("D0").write_state(lease) is WriteState.ARMED
+    net.crash("P0")  # armed, and dead before its write
     net.run_until(1000.0)
     # Armed and silent: ended at the deadline but not freed, however long; no timer can
     # tell a dead writer from a paused one.
