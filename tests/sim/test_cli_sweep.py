@@ -13,13 +13,14 @@ from pathlib import Path
 import pytest
 
 from kvproto_tools import cli
-from kvproto_tools.sim import console
+from kvproto_tools.sim import SCENARIOS, console
+from kvproto_tools.sim.policies import DEFAULT_POLICIES
 from kvproto_tools.sim.report import write_json
 from kvproto_tools.sim.sweep import plan, sweep
 from tests.sim.test_cli_errors import ROOT
 
 RSS_LIMIT_KB = 300_000
-"""Far above the interpreter and one run in flight, far below a plan of 40 million tasks."""
+"""Far above the interpreter and one run in flight, far below a plan of 64 million tasks."""
 
 
 def _rss_kb(pid: int) -> int:
@@ -45,7 +46,8 @@ def test_a_million_seeds_start_at_once_in_bounded_memory() -> None:
         sel.register(proc.stdout, selectors.EVENT_READ)
         assert sel.select(timeout=15), "nothing printed within 15 s"
         first = proc.stdout.readline()
-        assert "1000000 seed(s) = 40000000 run(s)" in first, first
+        runs = len(SCENARIOS) * len(DEFAULT_POLICIES) * 1_000_000
+        assert f"1000000 seed(s) = {runs} run(s)" in first, first
         time.sleep(3)  # runs are under way: memory must not grow with the plan
         assert _rss_kb(proc.pid) < RSS_LIMIT_KB
     finally:

@@ -31,7 +31,7 @@ def test_the_simulator_table_is_what_the_runs_give() -> None:
 
 @pytest.mark.slow
 def test_the_heartbeat_bytes_of_spec_benchmarks_are_what_the_runs_give() -> None:
-    """The README's two heartbeat rows point to this table for the other eight scenarios."""
+    """The README's two heartbeat rows point to this table for the other scenarios."""
     from kvproto_tools.sim.scenarios import SCENARIOS
     from kvproto_tools.sim.sweep import plan, sweep
 

@@ -24,17 +24,15 @@ from kvproto.transport import (
     MemoryNotRegistered,
     PeerId,
     PeerUnreachable,
-    ReadFailed,
     ReadId,
     ThreadAffinity,
     TransportClosed,
     TransportEvent,
     UnknownPeer,
-    WriteFailed,
-    WriteId,
 )
 from kvproto_transports.loopback.memory import Memory
 from kvproto_transports.loopback.stats import Counters, LoopbackStats
+from kvproto_transports.transfers import Transfers, outcome
 
 if TYPE_CHECKING:
     from kvproto_transports.loopback.network import LoopbackNetwork
@@ -73,7 +71,7 @@ class PendingRead:
     """A WRITE: the data goes from the issuer's memory into the peer's."""
 
 
-class LoopbackTransport:
+class LoopbackTransport(Transfers):
     """An in-process endpoint on a :class:`~.network.LoopbackNetwork`.
 
     Create it with ``net.endpoint(name)``; its ``local_peer`` is
@@ -311,55 +309,6 @@ class LoopbackTransport:
 
     # --- reads ---------------------------------------------------------------------
 
-    def read_blocks(
-        self,
-        peer: PeerId,
-        *,
-        local_blocks: Sequence[int],
-        remote_blocks: Sequence[int],
-        local_slice: BlockSlice = BlockSlice.FULL,
-        remote_slice: BlockSlice = BlockSlice.FULL,
-        notify: bytes | None = None,
-    ) -> ReadId:
-        """Issue one read; data is copied when the simulated clock reaches its completion.
-
-        Local mistakes raise at once (:class:`MemoryNotRegistered`,
-        :class:`FrameTooLarge`, :class:`UnknownPeer`); anything that depends on
-        the peer (its layout, its liveness, the link) ends in ReadFailed.
-        """
-        return self._transfer(
-            peer,
-            local_blocks=local_blocks,
-            remote_blocks=remote_blocks,
-            local_slice=local_slice,
-            remote_slice=remote_slice,
-            notify=notify,
-            write=False,
-        )
-
-    def write_blocks(
-        self,
-        peer: PeerId,
-        *,
-        local_blocks: Sequence[int],
-        remote_blocks: Sequence[int],
-        local_slice: BlockSlice = BlockSlice.FULL,
-        remote_slice: BlockSlice = BlockSlice.FULL,
-        notify: bytes | None = None,
-    ) -> WriteId:
-        """Issue one write (push mode); as :meth:`read_blocks` the other way: the data is
-        copied into the peer's memory at completion (WriteCompleted), then ``notify``
-        leaves; a dead or cut-off peer, or a dead issuer, lands nothing (WriteFailed)."""
-        return self._transfer(
-            peer,
-            local_blocks=local_blocks,
-            remote_blocks=remote_blocks,
-            local_slice=local_slice,
-            remote_slice=remote_slice,
-            notify=notify,
-            write=True,
-        )
-
     def _transfer(
         self,
         peer: PeerId,
@@ -371,6 +320,14 @@ class LoopbackTransport:
         notify: bytes | None,
         write: bool,
     ) -> ReadId:
+        """Issue one read or write; the data is copied when the simulated clock reaches its
+        completion (a write's into the peer's memory, then ``notify`` leaves).
+
+        Local mistakes raise at once (:class:`MemoryNotRegistered`,
+        :class:`FrameTooLarge`, :class:`UnknownPeer`); anything that depends on the peer
+        (its layout, its liveness, the link) ends in ReadFailed or WriteFailed; a dead or
+        cut-off peer, or a dead issuer, lands nothing.
+        """
         self._check_open()
         if len(local_blocks) != len(remote_blocks):
             raise LocalProtocolError(
@@ -419,12 +376,7 @@ class LoopbackTransport:
         """Report a failed read or write (used by the network)."""
         self.counters.reads_failed += 1
         self._net.counters.reads_failed += 1
-        event: TransportEvent = (
-            WriteFailed(write_id=read.read_id, reason=reason)
-            if read.write
-            else ReadFailed(read_id=read.read_id, reason=reason)
-        )
-        self._inbox.append(event)
+        self._inbox.append(outcome(read.read_id, write=read.write, failed=reason))
 
     # --- lifecycle -----------------------------------------------------------------
 

@@ -37,7 +37,7 @@ import itertools
 from collections.abc import Callable
 from typing import Literal
 
-from kvproto.transport import PeerId, PeerLost, ReadCompleted, Received, WriteCompleted
+from kvproto.transport import PeerId, PeerLost, Received
 from kvproto_transports.loopback.endpoint import (
     DEFAULT_MAX_NOTIFICATION_SIZE,
     LoopbackTransport,
@@ -46,6 +46,7 @@ from kvproto_transports.loopback.endpoint import (
 from kvproto_transports.loopback.faults import PERFECT, LinkDice, LinkFaults
 from kvproto_transports.loopback.memory import AddressSpace, Memory
 from kvproto_transports.loopback.stats import Counters, LoopbackStats
+from kvproto_transports.transfers import outcome
 
 _tokens = itertools.count(1)
 
@@ -102,6 +103,12 @@ class LoopbackNetwork:
         self._dice: dict[tuple[str, str], LinkDice] = {}
         self._fifo: dict[tuple[PeerId, PeerId], float] = {}
         self._cut: set[tuple[str, str]] = set()
+        self.transfer_delay: Callable[[PendingRead], float] | None = None
+        """Extra seconds a read or write takes on top of latency and bandwidth (fault
+        injection: a slow write); None: none."""
+        self.on_transfer: Callable[[PendingRead], None] | None = None
+        """Called the instant a read's or write's data has been copied (an observer for
+        simulators and tests: where and when bytes landed)."""
 
     # --- time ----------------------------------------------------------------------
 
@@ -311,6 +318,8 @@ class LoopbackNetwork:
             if layout is not None and read.local_blocks:
                 span = sum(read.local_slice.span(n)[1] for n in layout.block_lens)
                 latency += span * len(read.local_blocks) / self.read_bandwidth
+        if self.transfer_delay is not None:
+            latency += self.transfer_delay(read)
         self._at(self._now + latency, lambda: self._complete(read))
 
     def _complete(self, read: PendingRead) -> None:
@@ -327,14 +336,11 @@ class LoopbackNetwork:
             return
         for copy in plan:
             copy()
+        if self.on_transfer is not None:
+            self.on_transfer(read)
         reader.counters.reads_completed += 1
         self.counters.reads_completed += 1
-        done = (
-            WriteCompleted(write_id=read.read_id)
-            if read.write
-            else ReadCompleted(read_id=read.read_id)
-        )
-        reader.deliver(done)
+        reader.deliver(outcome(read.read_id, write=read.write, failed=None))
         if read.notify is not None:
             # Sent only now, after the copy: the holder cannot see it earlier.
             self.transmit(reader, read.holder, read.notify)
