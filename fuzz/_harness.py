@@ -114,7 +114,7 @@ class Pair:
         return state_of(self.holder), state_of(self.reader)
 
 
-NOT_STATE = frozenset({"stats", "counters", "bucket", "_buckets", "window", "_wake"})
+NOT_STATE = frozenset({"stats", "_stats", "counters", "bucket", "_buckets", "window", "_wake"})
 """Attribute names :meth:`Pair.snapshot` skips (see its docstring)."""
 
 

@@ -15,9 +15,16 @@ Pull-only holders never touch it beyond one emptiness test per claim and per end
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from kvproto import wire
 from kvproto.events import ReleaseReason
 from kvproto.states import WriteInput, WriteState, write_next
 from kvproto.transport import PeerId
+
+if TYPE_CHECKING:
+    from kvproto.holder_book import LeaseBook, PeerSession
+    from kvproto.holder_claims import Claims
 
 _OPEN = WriteState.OPEN
 _ARMED = WriteState.ARMED
@@ -127,3 +134,30 @@ class WriteFence:
             return True
         self.writable.discard(lease)
         return False
+
+
+class Arms:
+    """Answers a session's Arms: a writer about to write (push mode)."""
+
+    def __init__(self, book: LeaseBook, claims: Claims) -> None:
+        self._book = book
+        self._claims = claims
+
+    def on_arm(self, now: float, session: PeerSession, claim: wire.Claim) -> None:
+        """Arm the writer if it may write (its session holds the live writable lease) and
+        say so: it writes only on ``armed``."""
+        book = self._book
+        book.stats.arm_frames += 1
+        (slot,) = self._claims.check(session, (claim,))
+        table = book.leases
+        ack = wire.ArmAck(lease=claim.lease, armed=False)
+        if (
+            slot is not None
+            and claim.lease in book.fence.writable
+            and not table.terminal(slot)
+            and table.members.holds(slot, session.serial)
+        ):
+            book.fence.arm(claim.lease, session.serial)
+            left = min(book.live_until(slot), table.hard[slot]) - now
+            ack = wire.ArmAck(lease=claim.lease, armed=True, left=left)
+        book.send_session(session, ack)

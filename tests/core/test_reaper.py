@@ -9,8 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kvproto.holder as holder_module
-from kvproto import legacy, wire
+from kvproto import holder_book, legacy, wire
 from kvproto.config import LeaseConfig
 from kvproto.holder import Holder, ended
 from kvproto.states import LeaseState
@@ -124,7 +123,7 @@ def test_any_renewal_order_expires_each_lease_exactly_on_time(
 
 
 class CountingHeapq:
-    """Stands in for the holder's heapq module and counts every operation."""
+    """Stands in for the heapq module of the holder's session heap and counts every operation."""
 
     def __init__(self) -> None:
         self.pushes = 0
@@ -146,7 +145,7 @@ class CountingHeapq:
 @pytest.fixture
 def counting(monkeypatch: pytest.MonkeyPatch) -> CountingHeapq:
     c = CountingHeapq()
-    monkeypatch.setattr(holder_module, "heapq", c)
+    monkeypatch.setattr(holder_book, "heapq", c)
     return c
 
 
