@@ -202,13 +202,16 @@ def wire_seeds(pair: Pair) -> list[bytes]:
         wire.Revoke(leases=[1, 2], reason=4),
         wire.Reject(reason=1, seq=3),
         wire.DoneAck(lease=1, verdict=1),
+        wire.Arm(claim=wire.Claim(lease=t.lease, proof=proof)),
+        wire.ArmAck(lease=t.lease, armed=True, left=3.5),
     ]
     seeds = list(pair.frames) + [wire.encode(m) for m in extra]
     seeds += [wire.encode(m, KEY) for m in extra]
     # Signed with the live session keys: frames the cores act on, to mutate.
     up = pair.holder._sessions["D0"].up
     down = pair.reader._sessions[("P", 0)].down
-    seeds += [wire.encode(m, up) for m in extra if isinstance(m, (wire.Heartbeat, wire.Done))]
+    to_holder = (wire.Heartbeat, wire.Done, wire.Arm)
+    seeds += [wire.encode(m, up) for m in extra if isinstance(m, to_holder)]
     seeds += [wire.encode(m, down) for m in extra if not isinstance(m, wire.Heartbeat)]
     return seeds
 

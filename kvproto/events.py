@@ -55,6 +55,9 @@ class FailReason(enum.Enum):
     """The holder could not be reached."""
     BAD_TICKET = "bad-ticket"
     """The ticket is unusable (wrong TP layout, expired before arrival)."""
+    NOT_ARMED = "not-armed"
+    """Push mode: the holder did not answer the writer's Arm within ``ack_timeout``;
+    nothing was written."""
 
 
 class SendFrame(msgspec.Struct, frozen=True, kw_only=True):
@@ -75,6 +78,20 @@ class FreeBlocks(msgspec.Struct, frozen=True, kw_only=True):
     """The holder's request id the blocks belong to."""
     reason: ReleaseReason
     """Why."""
+
+
+class WriteFenced(msgspec.Struct, frozen=True, kw_only=True):
+    """Holder, writable lease (push mode): it ended while a writer may still write into
+    its blocks. The request must not use them (it recomputes), and the blocks must not
+    be reused until the ``FreeBlocks`` of the same lease, which follows once no write can
+    land any more (spec/push-mode.md §3)."""
+
+    lease: int
+    """Lease id."""
+    request_id: str
+    """The holder's request id the blocks belong to."""
+    reason: ReleaseReason
+    """Why the lease ended; its ``FreeBlocks`` repeats it."""
 
 
 class Connect(msgspec.Struct, frozen=True, kw_only=True):
@@ -157,5 +174,5 @@ class ReadDeferred(msgspec.Struct, frozen=True, kw_only=True):
     session sent at this same instant already covers it)."""
 
 
-HolderOutput = SendFrame | FreeBlocks
+HolderOutput = SendFrame | FreeBlocks | WriteFenced
 ReaderOutput = SendFrame | Connect | RequestFailed | ReadConfirmed

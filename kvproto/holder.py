@@ -46,7 +46,8 @@ from kvproto.holder_claims import Claims
 from kvproto.holder_dones import Dones
 from kvproto.holder_legacy import handle_legacy
 from kvproto.holder_peers import PeerSessions, authentic
-from kvproto.states import LeaseInput, LeaseState, lease_next
+from kvproto.holder_writes import Arms
+from kvproto.states import LeaseInput, LeaseState, WriteState, lease_next
 from kvproto.stats import HolderStats, counts_of
 from kvproto.ticket import LeaseMint, LeaseTicket, ticket_problem
 from kvproto.transport import PeerId
@@ -98,15 +99,26 @@ class Holder:
         self._sessions = self._peers.by_peer
         self._claims = Claims(book)
         self._dones = Dones(book, self._claims)
+        self._arms = Arms(book, self._claims)
 
     # ------------------------------------------------------------------ API
 
-    def grant(self, now: float, *, request_id: str, ttl: float | None = None) -> LeaseTicket:
+    def grant(
+        self,
+        now: float,
+        *,
+        request_id: str,
+        ttl: float | None = None,
+        writable: bool = False,
+    ) -> LeaseTicket:
         """Grant a lease on the blocks of ``request_id``; the ticket goes to the reader.
 
         ``ttl`` defaults to the claim window (``config.grant_ttl``): nobody heartbeats
         the lease before its reader's claim; pass ``decoder_kv_blocks_ttl`` for
         bidirectional turn-2 blocks, which a client keeps for its next turn.
+        ``writable``: the reader *writes* the blocks (push mode): its Arm arms the
+        write fence, and the blocks are let go only once no write can land
+        (``WriteFenced``, spec/push-mode.md).
         """
         lifetime = self.config.grant_ttl if ttl is None else ttl
         if not 0 < lifetime <= self.config.max_hold:  # also refuses NaN (it would poison the queue)
@@ -115,19 +127,20 @@ class Holder:
         problem = self._request_problem(ticket)
         if problem is not None:
             raise LocalProtocolError(problem)
-        self._book.hold(now, ticket)
+        self._book.hold(now, ticket, writable=writable)
         return ticket
 
-    def adopt(self, now: float, ticket: LeaseTicket) -> None:
+    def adopt(self, now: float, ticket: LeaseTicket, *, writable: bool = False) -> None:
         """Hold a lease minted elsewhere for this engine (vLLM: by the scheduler).
 
         The deadline is taken relative to ``now`` on this clock, so holders in
         processes with unrelated clocks never free early (vLLM #50326).
+        ``writable`` as in :meth:`grant`.
         """
         problem = self.adoption_problem(ticket)
         if problem is not None:
             raise LocalProtocolError(problem)
-        self._book.hold(now, ticket)
+        self._book.hold(now, ticket, writable=writable)
 
     def adoption_problem(self, ticket: LeaseTicket) -> str | None:
         """Why :meth:`adopt` would refuse ``ticket``, or None if it would hold it.
@@ -159,7 +172,8 @@ class Holder:
         self._book.end(now, slot, LeaseInput.REVOKE, ReleaseReason.REVOKED)
 
     def peer_lost(self, now: float, peer: PeerId) -> None:
-        """The transport says ``peer`` is gone: end the leases only its session held."""
+        """The transport says ``peer`` is gone: end the leases only its session held (and,
+        push mode, disarm it: the proof that it writes no more)."""
         self._peers.lost(now, peer)
 
     def handle_frame(self, now: float, peer: PeerId, data: bytes) -> None:
@@ -185,6 +199,8 @@ class Holder:
                 self._claims.on_heartbeat(now, session, msg)
             elif isinstance(msg, wire.Done):
                 self._dones.on_done(now, session, msg.claim)
+            elif isinstance(msg, wire.Arm):
+                self._arms.on_arm(now, session, msg.claim)
             else:
                 self.stats.unexpected_frames += 1
             return
@@ -203,7 +219,7 @@ class Holder:
                 self.stats.bad_mac += 1
                 return
             self._peers.on_hello(now, peer, msg)
-        elif not isinstance(msg, (wire.Heartbeat, wire.Done)):
+        elif not isinstance(msg, (wire.Heartbeat, wire.Done, wire.Arm)):
             self.stats.unexpected_frames += 1
         elif session is None:
             self.stats.no_session += 1
@@ -285,6 +301,11 @@ class Holder:
             return None
         return min(self._book.live_until(slot), self._leases.hard[slot])
 
+    def write_state(self, lease_id: int) -> WriteState:
+        """The write fence's state of a writable lease (SETTLED once its blocks may be
+        reused, and for every lease that was never writable)."""
+        return self._book.fence.state(lease_id)
+
     def is_live(self, lease_id: int) -> bool:
         """True while the lease's blocks are held (granted or held, not ended)."""
         slot = self._leases.slot(lease_id)
@@ -306,4 +327,5 @@ class Holder:
         snap[prefix + "leases_held"] = self._book.held
         snap[prefix + "sessions"] = len(self._sessions)
         snap[prefix + "tombstones"] = len(self._tombstones)
+        snap[prefix + "leases_quarantined"] = self._book.fence.quarantined()
         return snap

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 
 from kvproto import auth, wire
 from kvproto.config import LeaseConfig
-from kvproto.events import FreeBlocks, HolderOutput, ReleaseReason, SendFrame
+from kvproto.events import FreeBlocks, HolderOutput, ReleaseReason, SendFrame, WriteFenced
 from kvproto.holder_leases import (
     GRANTED,
     HELD,
@@ -37,6 +37,7 @@ from kvproto.holder_leases import (
 )
 from kvproto.holder_members import NOBODY, SEVERAL, SessionLeases
 from kvproto.holder_timers import DeadlineQueue
+from kvproto.holder_writes import WriteFence
 from kvproto.ratelimit import ReplayWindow, TokenBucket
 from kvproto.states import LeaseInput, lease_next
 from kvproto.stats import HolderStats
@@ -132,6 +133,7 @@ class LeaseBook:
     __slots__ = (
         "by_serial",
         "config",
+        "fence",
         "granted",
         "held",
         "lease_deadlines",
@@ -156,14 +158,19 @@ class LeaseBook:
         self.granted = 0  # live leases by state, kept as plain ints (Enum hashing is slow)
         self.held = 0
         self.out: list[HolderOutput] = []
+        self.fence = WriteFence()
+        """Writable leases (push mode) and their armed writers (spec/push-mode.md)."""
 
     # ------------------------------------------------------------ leases
 
-    def hold(self, now: float, ticket: LeaseTicket) -> None:
-        """Hold a lease the holder granted or adopted (its caller refused what it must)."""
+    def hold(self, now: float, ticket: LeaseTicket, *, writable: bool = False) -> None:
+        """Hold a lease the holder granted or adopted (its caller refused what it must);
+        ``writable``: its reader writes the blocks (push mode)."""
         slot = self.leases.add(ticket, now, self.config.max_hold)
         self.granted += 1
         self.stats.grants += 1
+        if writable:
+            self.fence.writable.add(ticket.lease)
         self.schedule_lease(slot)
 
     def transition(self, slots: Iterable[int], event: LeaseInput) -> None:
@@ -201,10 +208,43 @@ class LeaseBook:
         setattr(self.stats, counter, getattr(self.stats, counter) + 1)
         lease_id = self.leases.ids[slot]
         request_id = self.leases.request_id(slot)
+        writable = self.fence.writable
+        if writable and lease_id in writable and self.fence.end(lease_id, reason):
+            # A writer may still write into the blocks: not used, not reused, and not
+            # forgotten (its done or abort must find it) until the last disarm.
+            self.stats.write_fenced += 1
+            self.out.append(WriteFenced(lease=lease_id, request_id=request_id, reason=reason))
+            return
         self.out.append(FreeBlocks(lease=lease_id, request_id=request_id, reason=reason))
+        self.tombstone(now, lease_id)
+
+    def tombstone(self, now: float, lease_id: int) -> None:
+        """Remember an ended lease for late frames, for ``tombstone_ttl`` (and a cap)."""
         self.tombstones.append((now + self.config.tombstone_ttl, lease_id))
         if len(self.tombstones) > self.config.max_tombstones:
             self.leases.forget(self.tombstones.popleft()[1])
+
+    # ------------------------------------------------------------ the write fence
+
+    def disarm(self, now: float, lease_id: int, serial: int) -> None:
+        """Session ``serial`` can write no more into ``lease_id`` (push mode): settle it if
+        it was the last writer of a quarantined lease."""
+        reason = self.fence.disarm(lease_id, serial)
+        if reason is not None:
+            self.settle(now, lease_id, reason)
+
+    def disarm_session(self, now: float, serial: int) -> None:
+        """Session ``serial``'s peer was lost: it can write into nothing any more."""
+        if self.fence.is_armed(serial):
+            for lease_id, reason in self.fence.disarm_session(serial):
+                self.settle(now, lease_id, reason)
+
+    def settle(self, now: float, lease_id: int, reason: ReleaseReason) -> None:
+        """A quarantined lease's last writer was disarmed: its blocks may be reused now."""
+        slot = self.leases.slot(lease_id)
+        request_id = "" if slot is None else self.leases.request_id(slot)
+        self.out.append(FreeBlocks(lease=lease_id, request_id=request_id, reason=reason))
+        self.tombstone(now, lease_id)
 
     def live_until(self, slot: int) -> float:
         """The latest of the lease's own deadline and its sessions' (not capped by hard)."""

@@ -216,6 +216,9 @@ class Claims:
         (slot,) = self.check(session, (claim,))
         if slot is None:
             return
+        if self._book.fence.writable:
+            # The writer aborts only with no write of it in flight (push mode, W3).
+            self._book.disarm(now, claim.lease, session.serial)
         table = self._book.leases
         if table.terminal(slot):
             # an explicit "late" row: stays ended

@@ -48,6 +48,9 @@ class Dones:
         # heartbeat carrying the claim was lost or delayed), the check has just
         # recorded this session as the first claimer of the live lease, and the done
         # counts as claim + done.
+        if slot is not None and self._book.fence.writable:
+            # The done rode this session's write, after its data: it can write no more.
+            self._book.disarm(now, claim.lease, session.serial)
         verdict = _VERDICT_REFUSED if slot is None else self._apply_done(now, session, slot)
         proof = b""
         if slot is not None and verdict is _VERDICT_HELD:

@@ -90,12 +90,21 @@ class PeerSessions:
         return bucket
 
     def lost(self, now: float, peer: PeerId) -> None:
-        """The transport says ``peer`` is gone: end the leases only its session held."""
+        """The transport says ``peer`` is gone: end the leases only its session held.
+
+        Also the proof that the peer can write no more (push mode): its sessions are
+        disarmed, the current one and any forgotten under that name.
+        """
+        book = self._book
         session = self.by_peer.pop(peer, None)
         state = PeerSessionState.ABSENT if session is None else PeerSessionState.OPEN
         peer_session_next(state, PeerSessionInput.LOST)
         if session is not None:
-            self._book.forget_session(now, session, lost=True)
+            book.disarm_session(now, session.serial)
+            book.forget_session(now, session, lost=True)
+        if book.fence.writable:
+            for lease, reason in book.fence.peer_lost(peer):
+                book.settle(now, lease, reason)
         self._buckets.pop(peer, None)
 
     def on_hello(self, now: float, peer: PeerId, hello: wire.Hello) -> None:
@@ -129,8 +138,11 @@ class PeerSessions:
             book.send_keyed(peer, refusal, wire.Reject(reason=RejectReason.WRONG_RANK))
             return
         if old is not None and event is PeerSessionInput.RESTARTED:
-            # The same transport name with a new incarnation: the old reader died.
+            # The same transport name with a new incarnation: the old reader died. Not
+            # proof that it can write no more (any engine can say this Hello): its armed
+            # leases wait for the transport's word on the peer (spec/push-mode.md §5).
             del self.by_peer[peer]
+            book.fence.orphan(peer, old.serial)
             book.forget_session(now, old, lost=True)
             old = None
             event = PeerSessionInput.FIRST
@@ -262,7 +274,7 @@ class PeerSessions:
 
     def _evict_idle_session(self) -> bool:
         for peer, session in self.by_peer.items():
-            if not session.leases.count:
+            if not session.leases.count and not self._book.fence.is_armed(session.serial):
                 del self.by_peer[peer]
                 self._book.close_session(session)
                 return True

@@ -46,6 +46,7 @@ from kvproto.events import (
 from kvproto.reader_dones import AwaitedDones, done_frame, verdict_of
 from kvproto.reader_frames import Unheard, heard
 from kvproto.reader_requests import (
+    UNKNOWN_WAKE,
     Deferrals,
     Part,
     Request,
@@ -56,6 +57,7 @@ from kvproto.reader_requests import (
 )
 from kvproto.reader_session import NEED_KEEPS_STATE, Fanout, ReaderSide, Session
 from kvproto.reader_sessions import HolderSessions
+from kvproto.reader_writes import ReaderWrites
 from kvproto.states import (
     DoneAckAction,
     ReadInput,
@@ -97,12 +99,14 @@ _STILL_READS = _UNSTARTED | {_READING}
 _NEEDS_LEASE = _STILL_READS | {_AWAITING_ACK}
 """... and in these it still needs the lease not aborted (a verdict may be on its way)."""
 _WHOLE = (BlockSlice.FULL, BlockSlice.FULL)  # a done-only order's (unused) slices
-_UNKNOWN = -math.inf  # Reader._wake: an input came since get_timer last looked
+_UNKNOWN = UNKNOWN_WAKE
 _NEVER = math.inf  # Reader._wake: no timer is set
 
 
-class Reader:
-    """Reader-side lease state for one reader rank. See the module docstring."""
+class Reader(ReaderWrites):
+    """Reader-side lease state for one reader rank. See the module docstring.
+
+    Push mode's writer side (``track(..., writes=True)``) is :class:`ReaderWrites`."""
 
     def __init__(
         self,
@@ -163,18 +167,31 @@ class Reader:
         then ``get_timer`` with no input between) then costs two comparisons."""
         self._out = holders.out
         """What the binding must do, in order; one list with ``holders.out`` (:meth:`drain`)."""
+        self._held_aborts: dict[tuple[str, int], tuple[str, int, bytes]] = {}
+        """(request id, holder rank) → (holder engine, lease, proof) of an abort held back
+        while that part's write is in flight (push mode, W3); sent if the write fails."""
 
     # ------------------------------------------------------------------ API
 
-    def track(self, now: float, *, request_id: str, ticket: LeaseTicket, readers: int = 1) -> None:
+    def track(
+        self,
+        now: float,
+        *,
+        request_id: str,
+        ticket: LeaseTicket,
+        readers: int = 1,
+        writes: bool = False,
+    ) -> None:
         """Start keeping ``ticket``'s lease alive: call when the request enters the scheduler.
 
         ``readers``: how many requests of this reader rank will read ``ticket`` (vLLM's
         parallel-sampling children, which reach the scheduler one message each); the
         lease's done waits for that many (at most ``ack_timeout`` past a landed read),
         so a first child scheduled before its siblings arrive does not free the blocks
-        they are to read. A bad ticket fails the request (``RequestFailed``). Tracking
-        an id that is tracked already is misuse: :class:`LocalProtocolError`.
+        they are to read. ``writes``: this reader writes the holder's blocks (push
+        mode, spec/push-mode.md): :meth:`begin_write` arms the holder's write fence
+        right before the write. A bad ticket fails the request (``RequestFailed``).
+        Tracking an id that is tracked already is misuse: :class:`LocalProtocolError`.
         """
         self._wake = _UNKNOWN
         if request_id in self._requests:
@@ -187,7 +204,9 @@ class Reader:
             route = self._routes.get((ticket.holder_engine, ticket.holder_tp_size))
             sessions = self._holders.route(ticket) if route is None else route
         if not sessions:
-            req = self._requests[request_id] = Request(request_id, ticket, b"", now, {})
+            req = self._requests[request_id] = Request(
+                request_id, ticket, b"", now, {}, writes=writes
+            )
             self._fail(now, req, FailReason.BAD_TICKET)
             return
         lease = ticket.lease
@@ -214,7 +233,9 @@ class Reader:
                     restarted.append(session)
             elif session.skew.known and bounds.ticket_bound(session.skew, ticket, now) <= now:
                 problem = FailReason.BAD_TICKET
-        req = self._requests[request_id] = Request(request_id, ticket, proof, now, parts)
+        req = self._requests[request_id] = Request(
+            request_id, ticket, proof, now, parts, writes=writes
+        )
         if problem is not None:
             self._fail(now, req, problem)
             return
@@ -297,10 +318,7 @@ class Reader:
         self._wake = _UNKNOWN
         req = self._get(request_id)
         if req.fail_reason is not None:
-            for part in req.parts.values():
-                part.state = read_next(part.state, _ON_BEGIN_READ)  # the table: it stays failed
-            self.stats.reads_after_failure += 1
-            return ReadDeclined(reason=req.fail_reason)
+            return self._declined_after_failure(req, req.fail_reason, _ON_BEGIN_READ)
         if not self.ready_to_read(request_id):
             raise LocalProtocolError(f"request {request_id!r} has no open session yet")
         margin = bounds.read_margin(self.config.read_margin, req.ticket)
@@ -338,26 +356,37 @@ class Reader:
                 self._done_goes(now, group, rank, part.done_frame)
             else:
                 part.done_frame = b""  # a sibling still reads: the done waits for it
-            slices = part_slices(
-                self.rank,
-                self.tp_size,
-                req.ticket.holder_tp_size,
-                rank,
-                replicated=self.replicated_kv,
-            )
-            local_slice, remote_slice = slices or _WHOLE
-            orders.append(
-                ReadOrder(
-                    holder_rank=rank,
-                    peer=session.peer,
-                    notify=part.done_frame,
-                    local_slice=local_slice,
-                    remote_slice=remote_slice,
-                    carries_data=slices is not None,
-                )
-            )
+            orders.append(self._order(req, session, rank, part.done_frame))
         self.stats.reads_started += len(orders)
         return ReadGo(orders=tuple(orders))
+
+    def _declined_after_failure(
+        self, req: Request, reason: FailReason, event: ReadInput
+    ) -> ReadDeclined:
+        """A begin of a request that failed since the caller's checks (a race): declined."""
+        for part in req.parts.values():
+            part.state = read_next(part.state, event)  # the table: it stays failed
+        self.stats.reads_after_failure += 1
+        return ReadDeclined(reason=reason)
+
+    def _order(self, req: Request, session: Session, rank: int, notify: bytes) -> ReadOrder:
+        """The transfer this reader rank makes with holder ``rank``, ``notify`` attached."""
+        slices = part_slices(
+            self.rank,
+            self.tp_size,
+            req.ticket.holder_tp_size,
+            rank,
+            replicated=self.replicated_kv,
+        )
+        local_slice, remote_slice = slices or _WHOLE
+        return ReadOrder(
+            holder_rank=rank,
+            peer=session.peer,
+            notify=notify,
+            local_slice=local_slice,
+            remote_slice=remote_slice,
+            carries_data=slices is not None,
+        )
 
     def read_completed(self, now: float, request_id: str, holder_rank: int) -> None:
         """The transport says the read from ``holder_rank`` landed; await the verdict.
@@ -444,6 +473,8 @@ class Reader:
                 self._lease_failed(now, session, lease, FailReason.REVOKED)
         elif isinstance(msg, wire.Reject):
             self._holders.on_reject(now, session, msg)
+        elif isinstance(msg, wire.ArmAck):
+            self._on_arm_ack(now, session, msg)
         else:
             self.stats.unexpected_frames += 1
 
@@ -850,6 +881,12 @@ class Reader:
             self._release_lease(now, session, lease)
         else:
             self._release(now, session, lease, req.request_id)
+        if req.parts[rank].writing:
+            # Its write is in flight: an abort now could overtake the data and let the
+            # holder reuse the blocks under it (spec/push-mode.md, W3).
+            self._held_aborts[(req.request_id, rank)] = (req.ticket.holder_engine, lease, req.proof)
+            self.stats.aborts_held += 1
+            return
         if session.state is _OPEN:
             session.beats.pending_aborts[lease] = req.proof
             self._holders.beat(now, session)  # free the holder's memory now, not at the next tick

@@ -37,7 +37,7 @@ class Unheard(enum.Enum):
     """Genuine, but meaningless in the session's state (``unexpected_frames``)."""
 
 
-Heard = wire.Welcome | wire.HeartbeatAck | wire.DoneAck | wire.Revoke | wire.Reject
+Heard = wire.Welcome | wire.HeartbeatAck | wire.DoneAck | wire.Revoke | wire.Reject | wire.ArmAck
 """The frames the reader acts on."""
 
 
@@ -69,6 +69,6 @@ def heard(
         return Unheard.BAD_MAC
     if session.state is not _OPEN:
         return Unheard.UNEXPECTED
-    if isinstance(msg, wire.HeartbeatAck | wire.DoneAck | wire.Revoke | wire.Reject):
+    if isinstance(msg, wire.HeartbeatAck | wire.DoneAck | wire.Revoke | wire.Reject | wire.ArmAck):
         return msg
     return Unheard.UNEXPECTED

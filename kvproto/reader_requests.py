@@ -24,6 +24,10 @@ from kvproto.ticket import LeaseTicket
 SessionKey = tuple[str, int]
 """(holder engine, holder rank)."""
 
+UNKNOWN_WAKE = -math.inf
+"""``Reader._wake`` once an input came since ``get_timer`` last looked (any input may
+set or clear a timer, so every input method sets it)."""
+
 _CONFIRMED = ReadState.CONFIRMED
 _ON_DEFER = ReadInput.DEFER
 _OPEN = SessionState.OPEN
@@ -51,6 +55,12 @@ class Part(msgspec.Struct, gc=False):
     resends: int = 0
     defer_seq: int = -1
     """Deferred read: the heartbeat seq whose acknowledgement settles it (-1: none awaited)."""
+    writing: bool = False
+    """A write (push mode) of this part is in flight: no abort may leave until the
+    transport reports it (spec/push-mode.md, W3)."""
+    arm_sent: float = -math.inf
+    """Push mode: when the part's last Arm left (ARMING); its ArmAck's ``left`` counts
+    from then."""
 
 
 class Request(msgspec.Struct, gc=False):
@@ -62,9 +72,13 @@ class Request(msgspec.Struct, gc=False):
     tracked_at: float
     parts: dict[int, Part]
     defer_until: float = math.inf
-    """Deferred read: without the holder's answer by then, the request is declined."""
+    """Deferred read, or a write waiting for its ArmAcks: without the holder's answer by
+    then, the request is declined."""
     fail_reason: FailReason | None = None
     """Why the request failed (None: it has not)."""
+    writes: bool = False
+    """The request *writes* the holder's blocks (push mode): the reader writes only on an
+    acknowledged claim and holds an abort back while a write is in flight."""
 
     @property
     def failed(self) -> bool:

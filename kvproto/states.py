@@ -41,6 +41,14 @@ reads. Both directions run the same two state machines.
    MAX_HOLD or PEER_LOST. An ended lease is never revived: later claims are
    answered "lost", later dones LATE.
 
+6. **Push.** In push mode the reader *writes* the holder's blocks (a writable
+   lease: D holds its empty blocks, P writes). Claims renew as ever; right
+   before writing, the writer sends an Arm and waits for its ArmAck (ARMING,
+   ARMED). The lease's blocks are let go only once no armed writer can write
+   any more (its done, its abort, its loss): a lease that ends earlier is
+   quarantined (:data:`WRITE_TRANSITIONS`, spec/push-mode.md). The writer
+   writes only armed (``begin-write``).
+
 The tables below are the whole lease life cycle. A ``(state, input)`` pair
 missing from a table is a bug in the caller and raises
 :class:`~kvproto.errors.LocalProtocolError`; remote input that is not allowed
@@ -268,8 +276,13 @@ class ReadState(enum.Enum):
     """begin_read found the deadline bound too close only for lack of a recent
     acknowledgement: a heartbeat went out early, the decision waits for its ack
     (at most once per request; ``ack_timeout`` at most)."""
+    ARMING = "arming"
+    """Push mode: the claim was acknowledged and an Arm asks the holder to fence the
+    write; waiting for its ArmAck."""
+    ARMED = "armed"
+    """Push mode: the holder armed the write fence for this writer: it may write."""
     READING = "reading"
-    """The read was issued; the done frame travels with it."""
+    """The read (or write) was issued; the done frame travels with it."""
     AWAITING_ACK = "awaiting-ack"
     """The read finished locally; waiting for the holder's verdict."""
     CONFIRMED = "confirmed"
@@ -291,6 +304,13 @@ class ReadInput(enum.Enum):
     """begin_read renewed the lease early instead of declining (once per request)."""
     BEGIN_READ = "begin-read"
     """The binding is starting the read."""
+    ARM = "arm"
+    """Push mode: an Arm went to the holder (``begin_write`` on a claimed part)."""
+    ARM_ACKED = "arm-acked"
+    """Push mode: the holder answered the Arm: armed."""
+    BEGIN_WRITE = "begin-write"
+    """The binding is starting the write of a ``writes=True`` request (push mode): only
+    once the holder armed the writer (spec/push-mode.md, W2)."""
     READ_DONE = "read-done"
     """The transport reported the read complete."""
     ACK_HELD = "ack-held"
@@ -316,6 +336,19 @@ READ_TRANSITIONS: dict[tuple[ReadState, ReadInput], ReadState] = {
     (_R.CLAIMED, _I.BEGIN_READ): _R.READING,
     (_R.CLAIMED, _I.FAIL): _R.FAILED,
     (_R.CLAIMED, _I.FINISH): _R.FINISHED,
+    # Push mode: a claimed part is armed (Arm, then its ArmAck) before it writes, and
+    # writes only armed: no BEGIN_WRITE row from TRACKED, CLAIMED or ARMING.
+    (_R.CLAIMED, _I.ARM): _R.ARMING,
+    (_R.ARMING, _I.ARM): _R.ARMING,  # the Arm re-sent
+    (_R.ARMING, _I.CLAIM_ACKED): _R.ARMING,
+    (_R.ARMING, _I.ARM_ACKED): _R.ARMED,
+    (_R.ARMING, _I.FAIL): _R.FAILED,
+    (_R.ARMING, _I.FINISH): _R.FINISHED,
+    (_R.ARMED, _I.CLAIM_ACKED): _R.ARMED,
+    (_R.ARMED, _I.ARM_ACKED): _R.ARMED,
+    (_R.ARMED, _I.BEGIN_WRITE): _R.READING,
+    (_R.ARMED, _I.FAIL): _R.FAILED,
+    (_R.ARMED, _I.FINISH): _R.FINISHED,
     # No (DEFERRED, DEFER) row: one deferral per request, so a read that the early
     # heartbeat did not save is declined, never deferred again (no livelock).
     (_R.DEFERRED, _I.CLAIM_ACKED): _R.DEFERRED,
@@ -325,6 +358,7 @@ READ_TRANSITIONS: dict[tuple[ReadState, ReadInput], ReadState] = {
     (_R.READING, _I.CLAIM_ACKED): _R.READING,
     (_R.READING, _I.READ_DONE): _R.AWAITING_ACK,
     (_R.READING, _I.ACK_HELD): _R.READING,
+    (_R.READING, _I.ARM_ACKED): _R.READING,  # a duplicated ArmAck
     (_R.READING, _I.FAIL): _R.FAILED,
     (_R.READING, _I.FINISH): _R.FINISHED,
     (_R.AWAITING_ACK, _I.CLAIM_ACKED): _R.AWAITING_ACK,
@@ -338,16 +372,19 @@ READ_TRANSITIONS: dict[tuple[ReadState, ReadInput], ReadState] = {
     # A request can fail between the caller's checks and begin_read (a race): it
     # stays failed and the reader declines it.
     (_R.FAILED, _I.BEGIN_READ): _R.FAILED,
+    (_R.FAILED, _I.BEGIN_WRITE): _R.FAILED,
     (_R.FAILED, _I.CLAIM_ACKED): _R.FAILED,
     (_R.FAILED, _I.READ_DONE): _R.FAILED,
     (_R.FAILED, _I.ACK_HELD): _R.FAILED,
     (_R.FAILED, _I.FAIL): _R.FAILED,
     (_R.FAILED, _I.FINISH): _R.FAILED,
+    (_R.FAILED, _I.ARM_ACKED): _R.FAILED,
     (_R.FINISHED, _I.CLAIM_ACKED): _R.FINISHED,
     (_R.FINISHED, _I.READ_DONE): _R.FINISHED,
     (_R.FINISHED, _I.ACK_HELD): _R.FINISHED,
     (_R.FINISHED, _I.FAIL): _R.FINISHED,
     (_R.FINISHED, _I.FINISH): _R.FINISHED,
+    (_R.FINISHED, _I.ARM_ACKED): _R.FINISHED,
 }
 """A HELD verdict can overtake the local read-complete report (the done rides
 the transfer, the verdict a notification), hence ``(READING, ACK_HELD)``: it
@@ -359,7 +396,11 @@ is not read -- except ``(FAILED, BEGIN_READ)``: a request can fail between the
 caller's checks and its begin_read, which declines it. DEFERRED has no DEFER
 row: a request is deferred at most once. Pairs still absent (a DEFER or
 BEGIN_READ after the read began or ended, a READ_DONE before any read) are
-calls the reader never makes."""
+calls the reader never makes. Push mode: ARM is taken from CLAIMED (and ARMING, a
+re-send), BEGIN_WRITE only from ARMED, and from FAILED for the same race as
+BEGIN_READ: a write never starts before the holder armed its writer, and never
+twice. An ArmAck that comes late (AWAITING_ACK, CONFIRMED) is dropped before the
+table; one that meets READING, FAILED or FINISHED stays."""
 
 
 def read_next(state: ReadState, event: ReadInput) -> ReadState:
@@ -476,3 +517,58 @@ def session_next(state: SessionState, event: SessionInput) -> SessionState:
         raise LocalProtocolError(
             f"session in state {state.value} cannot take {event.value}"
         ) from None
+
+
+class WriteState(enum.Enum):
+    """Holder-side state of a writable lease's blocks (push mode: spec/push-mode.md §3)."""
+
+    OPEN = "open"
+    """Live, no writer armed: the blocks could be freed at once."""
+    ARMED = "armed"
+    """Live, and a writer session may write into the blocks."""
+    QUARANTINED = "quarantined"
+    """Ended while a writer may still write: neither used nor reused (``WriteFenced``)."""
+    SETTLED = "settled"
+    """Ended, and no write can land any more: ``FreeBlocks`` emitted (terminal)."""
+
+    __hash__ = object.__hash__  # identity hash in C (see LeaseState)
+
+
+class WriteInput(enum.Enum):
+    """What can happen to a writable lease's blocks."""
+
+    ARM = "arm"
+    """A writer session that holds the live lease sent an Arm: it may write from now on."""
+    DISARM = "disarm"
+    """An armed session can write no more (its done or abort arrived, or its peer was
+    lost), and another is still armed."""
+    LAST_DISARM = "last-disarm"
+    """The last armed session can write no more."""
+    END = "end"
+    """The lease ended, for any reason (DONE included)."""
+
+    __hash__ = object.__hash__  # identity hash in C (see LeaseState)
+
+
+_W = WriteState
+_WI = WriteInput
+WRITE_TRANSITIONS: dict[tuple[WriteState, WriteInput], WriteState] = {
+    (_W.OPEN, _WI.ARM): _W.ARMED,
+    (_W.OPEN, _WI.END): _W.SETTLED,
+    (_W.ARMED, _WI.ARM): _W.ARMED,
+    (_W.ARMED, _WI.DISARM): _W.ARMED,
+    (_W.ARMED, _WI.LAST_DISARM): _W.OPEN,
+    (_W.ARMED, _WI.END): _W.QUARANTINED,
+    (_W.QUARANTINED, _WI.DISARM): _W.QUARANTINED,
+    (_W.QUARANTINED, _WI.LAST_DISARM): _W.SETTLED,
+}
+"""Entering QUARANTINED emits ``WriteFenced``, entering SETTLED ``FreeBlocks``. Absent on
+purpose: ARM after the end (a claim of an ended lease is answered lost, it arms nothing),
+a DISARM with nobody armed (only armed sessions are disarmed), a second END (a lease ends
+once), and anything in SETTLED (the lease is out of the write fence: a late done or abort
+of it is the lease table's business alone)."""
+
+
+def write_next(state: WriteState, event: WriteInput) -> WriteState:
+    """Look the transition up; a missing pair is a LocalProtocolError."""
+    return _row(WRITE_TRANSITIONS, state, event, "writable lease")

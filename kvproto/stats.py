@@ -56,8 +56,13 @@ class HolderStats:
     """Leases freed at the hard hold cap."""
     peer_lost: int = 0
     """Leases freed because their readers' transport peers were lost."""
+    write_fenced: int = 0
+    """Writable leases (push mode) that ended while a writer was still armed: quarantined,
+    freed once no write can land (``WriteFenced``, then ``FreeBlocks``)."""
     done_frames: int = 0
     """Done frames received."""
+    arm_frames: int = 0
+    """Arm frames received (push mode: a writer about to write)."""
     late_done: int = 0
     """Done frames for a lease that had already ended (answered LATE)."""
     duplicate_done: int = 0
@@ -114,6 +119,11 @@ class ReaderStats:
     """Heartbeat acknowledgements applied."""
     reads_started: int = 0
     """Read orders handed to the binding."""
+    writes_started: int = 0
+    """Write orders handed to the binding (push mode; also counted in ``reads_started``)."""
+    aborts_held: int = 0
+    """Aborts held back while the lease's write was in flight (push mode, W3): sent only
+    if the write fails."""
     reads_confirmed: int = 0
     """Requests whose reads every holder rank confirmed."""
     declined: int = 0

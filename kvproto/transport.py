@@ -26,6 +26,12 @@ Model
   notification that the *holder* receives only after the data left its
   memory (NIXL ``notif_msg``). Heterogeneous tensor parallelism is expressed
   with :class:`~kvproto.tpmath.BlockSlice` on both sides.
+* A transport that also writes (push mode, spec/push-mode.md) is a
+  :class:`WritableTransport`: ``write_blocks`` issues one one-sided WRITE of
+  local blocks into a peer's blocks with a notification the peer receives only
+  after the data is in its memory; it reports :class:`WriteCompleted` only once
+  the data is there (remote completion) and :class:`WriteFailed` only once none
+  of it can land any more.
 """
 
 from __future__ import annotations
@@ -43,6 +49,10 @@ PeerId = str
 
 ReadId = int
 """A handle for one issued read, unique within one transport endpoint."""
+
+WriteId = int
+"""A handle for one issued write, unique within one transport endpoint (reads and writes
+of an endpoint may share one counter)."""
 
 
 class ThreadAffinity(enum.Enum):
@@ -72,6 +82,8 @@ class Capabilities:
     """``read_blocks`` is a true one-sided read (RDMA); otherwise it is emulated."""
     thread_affinity: ThreadAffinity
     """Which threads may call the endpoint."""
+    writes: bool = False
+    """The endpoint is a :class:`WritableTransport`: ``write_blocks`` is offered."""
 
 
 # --- what poll() reports ---------------------------------------------------
@@ -106,6 +118,24 @@ class ReadFailed:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class WriteCompleted:
+    """A write's data is in the peer's memory (remote completion); its notify went after it."""
+
+    write_id: WriteId
+    """The handle ``write_blocks`` returned."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WriteFailed:
+    """A write ended without completing; none of its data lands in the peer any more."""
+
+    write_id: WriteId
+    """The handle ``write_blocks`` returned."""
+    reason: str
+    """What the transport said, for logs."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PeerLost:
     """The transport learnt that a peer is gone (disconnect, failed send, endpoint error)."""
 
@@ -115,7 +145,7 @@ class PeerLost:
     """What the transport said, for logs."""
 
 
-TransportEvent = Received | ReadCompleted | ReadFailed | PeerLost
+TransportEvent = Received | ReadCompleted | ReadFailed | PeerLost | WriteCompleted | WriteFailed
 
 
 # --- errors ----------------------------------------------------------------
@@ -227,4 +257,30 @@ class Transport(Protocol):
 
     def close(self) -> None:
         """Release everything; idempotent. Every later call raises TransportClosed."""
+        ...
+
+
+@runtime_checkable
+class WritableTransport(Transport, Protocol):
+    """A transport that also WRITEs (push mode); ``capabilities.writes`` is True."""
+
+    def write_blocks(
+        self,
+        peer: PeerId,
+        *,
+        local_blocks: Sequence[int],
+        remote_blocks: Sequence[int],
+        local_slice: BlockSlice = BlockSlice.FULL,
+        remote_slice: BlockSlice = BlockSlice.FULL,
+        notify: bytes | None = None,
+    ) -> WriteId:
+        """Write ``local_blocks`` of every region into ``peer``'s ``remote_blocks``.
+
+        Issues one transfer; returns at once. ``notify`` reaches the peer as a
+        notification only after the data is in its memory. ``poll`` reports
+        :class:`WriteCompleted` once the data is there, or :class:`WriteFailed`
+        once none of it can land any more. The slices are the ones a read
+        between the same two ranks would use (``local_slice`` of the local
+        blocks, ``remote_slice`` of the peer's).
+        """
         ...

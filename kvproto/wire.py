@@ -174,7 +174,31 @@ class Reject(msgspec.Struct, frozen=True, array_like=True, tag=8):
     """The refused heartbeat's sequence number, if it was one."""
 
 
-Message = Hello | Welcome | Heartbeat | HeartbeatAck | Done | DoneAck | Revoke | Reject
+class Arm(msgspec.Struct, frozen=True, array_like=True, tag=9):
+    """Writer → holder (push mode): about to WRITE this lease's blocks; arm the write fence.
+
+    Only a session that holds the lease (claimed it) is armed; from then on the holder
+    lets the blocks go only once that session's done or abort arrives or its peer is
+    lost (spec/push-mode.md)."""
+
+    claim: Claim
+    """The lease and the proof."""
+
+
+class ArmAck(msgspec.Struct, frozen=True, array_like=True, tag=10):
+    """Holder → writer: whether the Arm armed the session; write only if it did."""
+
+    lease: int
+    """Lease id."""
+    armed: bool
+    """True: the lease was live and held by the session, which is armed now."""
+    left: float = 0.0
+    """Armed only: seconds the lease had left when the Arm was applied."""
+
+
+Message = (
+    Hello | Welcome | Heartbeat | HeartbeatAck | Done | DoneAck | Revoke | Reject | Arm | ArmAck
+)
 
 
 class DoneVerdict(enum.IntEnum):
@@ -207,9 +231,11 @@ def _tag(cls: type[msgspec.Struct]) -> int:
     return tag
 
 
-TO_HOLDER_TAGS = frozenset(_tag(c) for c in (Hello, Heartbeat, Done))
+TO_HOLDER_TAGS = frozenset(_tag(c) for c in (Hello, Heartbeat, Done, Arm))
 """Tags of the messages a reader sends (a holder's input)."""
-TO_READER_TAGS = frozenset(_tag(c) for c in (Welcome, HeartbeatAck, DoneAck, Revoke, Reject))
+TO_READER_TAGS = frozenset(
+    _tag(c) for c in (Welcome, HeartbeatAck, DoneAck, Revoke, Reject, ArmAck)
+)
 """Tags of the messages a holder sends (a reader's input)."""
 _FIXARRAY = range(0x90, 0xA0)
 """msgpack fixarray first bytes: every message body is a short array, its tag first."""
@@ -387,6 +413,16 @@ def _done_ack(msg: DoneAck) -> list[int]:
     return [msg.lease, msg.verdict]
 
 
+def _arm(msg: Arm) -> list[int]:
+    _check_proof(msg.claim)
+    return [msg.claim.lease]
+
+
+def _arm_ack(msg: ArmAck) -> list[int]:
+    _check_finite(msg.left)
+    return [msg.lease]
+
+
 def _revoke(msg: Revoke) -> list[int]:
     return [msg.reason, *msg.leases]
 
@@ -404,6 +440,8 @@ _CHECKS: dict[type[Message], Callable[[Any], list[int]]] = {
     DoneAck: _done_ack,
     Revoke: _revoke,
     Reject: _reject,
+    Arm: _arm,
+    ArmAck: _arm_ack,
 }
 """Message type -> its own checks (raising :class:`RemoteProtocolError`), returning the
 integers that must be uint64s; the decoder yields exactly these types."""

@@ -40,6 +40,7 @@ from kvproto.events import (
     ReadOrder,
     RequestFailed,
     SendFrame,
+    WriteFenced,
 )
 from kvproto.holder import Holder
 from kvproto.reader import Reader
@@ -56,6 +57,10 @@ from kvproto.transport import (
     Transport,
     TransportError,
     UnknownPeer,
+    WritableTransport,
+    WriteCompleted,
+    WriteFailed,
+    WriteId,
 )
 
 log = logging.getLogger("kvproto.binding")
@@ -81,12 +86,15 @@ class StepResult:
     """Reader: requests whose loaded blocks are safe to use."""
     connects: tuple[Connect, ...] = ()
     """Reader: holders to make reachable (answer with :meth:`Endpoint.connected`)."""
+    fenced: tuple[WriteFenced, ...] = ()
+    """Holder, writable leases (push mode): ended while a writer may still write; the
+    request recomputes, the blocks wait for their ``freed`` entry."""
 
 
 NOTHING = StepResult()
 """What a step returns when the engine has nothing to do (most steps): one shared value."""
 
-_EngineOutput = FreeBlocks | RequestFailed | ReadConfirmed | Connect
+_EngineOutput = FreeBlocks | RequestFailed | ReadConfirmed | Connect | WriteFenced
 
 
 def _step_result(outputs: list[_EngineOutput]) -> StepResult:
@@ -96,6 +104,7 @@ def _step_result(outputs: list[_EngineOutput]) -> StepResult:
         failed=tuple(o for o in outputs if isinstance(o, RequestFailed)),
         confirmed=tuple(o.request_id for o in outputs if isinstance(o, ReadConfirmed)),
         connects=tuple(o for o in outputs if isinstance(o, Connect)),
+        fenced=tuple(o for o in outputs if isinstance(o, WriteFenced)),
     )
 
 
@@ -153,6 +162,8 @@ class Endpoint:
         self.reader = reader
         self.stats = BindingStats()
         self._reads: dict[ReadId, tuple[str, int] | _Parts] = {}
+        self._writes: dict[WriteId, tuple[str, int]] = {}
+        """Writes in flight (push mode): (request id, holder rank)."""
         self._held_failures: dict[str, RequestFailed] = {}
         """Failures of requests with reads in flight, surfaced when the last read ends."""
         self._cores: tuple[Holder | Reader, ...] = tuple(
@@ -247,6 +258,49 @@ class Endpoint:
         self._flush(now)
         return decision
 
+    def start_write(
+        self,
+        now: float,
+        request_id: str,
+        *,
+        local_blocks: Sequence[int],
+        remote_blocks: Sequence[int],
+    ) -> ReadGo | ReadDeferred | ReadDeclined:
+        """Push mode: arm, then begin the writes of a ``writes=True`` request (one per
+        holder rank), each with its done attached (spec/push-mode.md).
+
+        ``ReadDeferred``: the Arms went out and nothing was written; call again at a
+        later step (after the holder's answers, which :meth:`step` applies). The pairs
+        are one to one: ``local_blocks[i]`` is written into the holder's
+        ``remote_blocks[i]``. The request's local blocks are read by the transport until
+        the write ends: a failure of the request meanwhile is held back until then,
+        as for a read. Misuse (:class:`LocalProtocolError`): a transport that does
+        not write.
+        """
+        reader = self._need_reader()
+        transport = self.transport
+        if not isinstance(transport, WritableTransport) or not transport.capabilities.writes:
+            raise LocalProtocolError(f"transport {transport.name} does not write")
+        decision = reader.begin_write(now, request_id)
+        if isinstance(decision, ReadGo):
+            for order in decision.orders:
+                try:
+                    write_id = transport.write_blocks(
+                        order.peer,
+                        local_blocks=local_blocks if order.carries_data else [],
+                        remote_blocks=remote_blocks if order.carries_data else [],
+                        local_slice=order.local_slice,
+                        remote_slice=order.remote_slice,
+                        notify=order.notify or None,
+                    )
+                except TransportError as exc:
+                    log.warning("write of %s to %s refused: %s", request_id, order.peer, exc)
+                    reader.write_failed(now, request_id, order.holder_rank)
+                    continue
+                self._writes[write_id] = (request_id, order.holder_rank)
+        self._flush(now)
+        return decision
+
     def _read_parts(
         self,
         now: float,
@@ -307,6 +361,11 @@ class Endpoint:
             elif isinstance(event, ReadFailed):
                 log.warning("read %d failed: %s", event.read_id, event.reason)
                 self._read_result(now, event.read_id, ok=False)
+            elif isinstance(event, WriteCompleted):
+                self._write_result(now, event.write_id, ok=True)
+            elif isinstance(event, WriteFailed):
+                log.warning("write %d failed: %s", event.write_id, event.reason)
+                self._write_result(now, event.write_id, ok=False)
         for core in self._cores:
             timer = core.get_timer()
             if timer is not None and timer <= now:
@@ -352,6 +411,18 @@ class Endpoint:
         if self.reader is not None:
             self.reader.peer_lost(now, peer)
 
+    def _write_result(self, now: float, write_id: WriteId, *, ok: bool) -> None:
+        entry = self._writes.pop(write_id, None)
+        if entry is None or self.reader is None:
+            return
+        request_id, rank = entry
+        if ok:
+            self.reader.write_completed(now, request_id, rank)
+        else:
+            self.reader.write_failed(now, request_id, rank)
+        if request_id in self._held_failures and not self._reading(request_id):
+            self._engine_outputs.append(self._held_failures.pop(request_id))
+
     def _read_result(self, now: float, read_id: ReadId, *, ok: bool) -> None:
         entry = self._reads.pop(read_id, None)
         if entry is None or self.reader is None:
@@ -375,13 +446,14 @@ class Endpoint:
             self._engine_outputs.append(self._held_failures.pop(request_id))
 
     def _reading(self, request_id: str) -> bool:
-        """Whether a transport read into ``request_id``'s blocks is still in flight."""
+        """Whether a transport read into ``request_id``'s blocks (or a write out of them)
+        is still in flight."""
         # Asked only for failed requests (rare), so a scan beats a second index kept
         # up to date on every read.
         return any(
             (e.request_id if isinstance(e, _Parts) else e[0]) == request_id
             for e in self._reads.values()
-        )
+        ) or any(e[0] == request_id for e in self._writes.values())
 
     def _flush(self, now: float) -> None:
         """Carry out every output until the cores are quiet.

@@ -11,6 +11,11 @@ rather than silently doing something else. Any other key is an error.
 
 ``kv_transport`` (:data:`KV_TRANSPORTS`) picks the transport the worker runs
 (:mod:`.transport_choice`); every other key means the same with either.
+
+``transfer_mode`` (:data:`TRANSFER_MODES`) is pull (the default: D reads P's blocks) or
+push (P writes into D's blocks). Push is refused when the engine starts until the
+adapter runs it end to end: the core, the transports and the simulator have it
+(spec/push-mode.md), this adapter does not yet.
 """
 
 from __future__ import annotations
@@ -29,6 +34,17 @@ _DEFAULT_DURATION = LeaseConfig().kv_lease_duration
 
 KV_TRANSPORTS = ("nixl", "ucx", "mooncake")
 """Values of ``kv_transport``; the first is the default (stock NixlConnector's transport)."""
+
+TRANSFER_MODES = ("pull", "push")
+"""Values of ``transfer_mode`` (stock's ``kv_transfer_params`` name); pull is the default."""
+
+PUSH_NOT_READY = (
+    "transfer_mode 'push' is not available in KvprotoConnector yet: the lease core, the "
+    "transports and the simulator run push mode (spec/push-mode.md), but this vLLM adapter "
+    "does not drive it end to end; use transfer_mode 'pull' (the default), or stock "
+    "NixlPushConnector"
+)
+"""Why push mode is refused when the engine starts (ConfigError)."""
 
 DEFAULT_PROBE_INTERVAL_S = 0.25
 """Seconds between the worker's transport probes (``probe_interval_s``)."""
@@ -91,6 +107,11 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> AdapterConfig:
         )
     for key in IGNORED_STOCK_KEYS:
         values.pop(key, None)
+    mode = values.pop("transfer_mode", TRANSFER_MODES[0])
+    if mode not in TRANSFER_MODES:
+        raise ConfigError(f"transfer_mode must be 'pull' or 'push', got {mode!r}")
+    if mode == "push":
+        raise ConfigError(PUSH_NOT_READY)
     unknown = sorted(set(values) - ADAPTER_KEYS - LEASE_KEYS)
     if unknown:
         raise ConfigError(

@@ -30,6 +30,7 @@ GAUGES = frozenset(
         "holder_leases_held",
         "holder_sessions",
         "holder_tombstones",
+        "holder_leases_quarantined",
         "reader_pending_reads",
         "reader_requests",
         "reader_sessions",

@@ -6,6 +6,7 @@ plus ``pip install vllm-router==0.1.17``::
     python -m examples.pd_cpu                 # kvproto's connector; answers, metrics, stop
     python -m examples.pd_cpu --serve         # keep serving on :8000 until Ctrl-C
     python -m examples.pd_cpu --connector stock   # the same with stock NixlConnector
+    python -m examples.pd_cpu --connector stock-push   # stock NixlPushConnector (P writes)
 
 It builds a tiny random Llama locally (no model hub), starts a prefill
 ``vllm serve``, a decode ``vllm serve`` and ``vllm-router`` in front, waits

@@ -42,8 +42,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-#: Connectors the example can run: ours and stock NixlConnector for comparison.
-CONNECTORS = ("kvproto", "stock")
+#: Connectors the example can run: ours, and stock NixlConnector (pull) and
+#: NixlPushConnector (push: P writes into D's blocks, spec/push-mode.md) for comparison.
+CONNECTORS = ("kvproto", "stock", "stock-push")
 
 #: Seconds one engine may take to become healthy (CPU engines start in 20-60 s).
 ENGINE_START_TIMEOUT_S = 240.0
@@ -106,7 +107,7 @@ class ModelSpec:
 def kv_transfer_config(
     connector: str, role: str, *, lease_s: int = 30, extra: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """``--kv-transfer-config`` for ``connector`` ("kvproto" or "stock") in ``role``.
+    """``--kv-transfer-config`` for ``connector`` (one of :data:`CONNECTORS`) in ``role``.
 
     Both recompute on a failed load (vLLM's default, ``fail``, turns a fenced
     read into an error for the client instead of a correct answer). ``extra``
@@ -119,9 +120,9 @@ def kv_transfer_config(
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"kv_lease_duration": lease_s, **(extra or {})},
         }
-    if connector == "stock":
+    if connector in ("stock", "stock-push"):
         return {
-            "kv_connector": "NixlConnector",
+            "kv_connector": "NixlConnector" if connector == "stock" else "NixlPushConnector",
             "kv_role": role,
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": dict(extra or {}),

@@ -1,5 +1,6 @@
 """The suite is itself tested: deliberately broken transports fail exactly the cases meant to
-catch them, and every MUST case is failed by at least one of them.
+catch them, and every MUST case is failed by at least one of them (the write cases, T6, by
+broken writers: a transport that does not write has them UNSUPPORTED).
 
 Each broken transport wraps a loopback endpoint and breaks one promise; they live here, in
 the tests, never in the package.
@@ -29,6 +30,9 @@ from kvproto.transport import (
     Transport,
     TransportEvent,
     UnknownPeer,
+    WriteCompleted,
+    WriteFailed,
+    WriteId,
 )
 from kvproto_transports.conformance import (
     Level,
@@ -37,7 +41,7 @@ from kvproto_transports.conformance import (
     all_cases,
     run_conformance,
 )
-from kvproto_transports.forwarding import ForwardingTransport
+from kvproto_transports.forwarding import ForwardingTransport, ForwardingWrites
 from kvproto_transports.loopback import LinkFaults, LoopbackGroup, LoopbackTransport
 
 # --- the broken transports ----------------------------------------------------------
@@ -449,6 +453,93 @@ class Leaky(Wrapper):
         self.inner.send(peer, payload)
 
 
+# --- broken writers (push mode, T6): each breaks one promise of write_blocks ----------
+
+
+class WriteWrapper(Wrapper, ForwardingWrites[LoopbackTransport]):
+    """A :class:`Wrapper` that also writes; subclasses break one promise of ``write_blocks``."""
+
+
+class WriteNotifyBeforeData(WriteWrapper):
+    """The write's notify goes out when the write is issued, not once its data landed."""
+
+    def write_blocks(self, peer: PeerId, *, notify: bytes | None = None, **kw: object) -> WriteId:
+        wid = super().write_blocks(peer, notify=None, **kw)  # type: ignore[arg-type]
+        if notify is not None:
+            self.inner.send(peer, notify)
+        return wid
+
+
+class WriteCompletesEarly(WriteWrapper):
+    """Reports WriteCompleted as soon as the write is issued (a local completion)."""
+
+    def __init__(self, inner: LoopbackTransport, group: BrokenGroup) -> None:
+        super().__init__(inner, group)
+        self.early: list[WriteId] = []
+        self.done: set[WriteId] = set()
+
+    def write_blocks(self, peer: PeerId, **kw: object) -> WriteId:
+        wid = super().write_blocks(peer, **kw)  # type: ignore[arg-type]
+        self.early.append(wid)
+        return wid
+
+    def poll(self) -> Sequence[TransportEvent]:
+        out: list[TransportEvent] = [WriteCompleted(write_id=w) for w in self.early]
+        reported = set(self.early)
+        self.early.clear()
+        for e in self.inner.poll():
+            if isinstance(e, WriteCompleted | WriteFailed) and e.write_id in self.done:
+                continue  # the real outcome of a write already reported complete
+            out.append(e)
+        self.done |= reported
+        return out
+
+
+class WriteDoubleCompletion(WriteWrapper):
+    """Reports every WriteCompleted twice."""
+
+    def poll(self) -> Sequence[TransportEvent]:
+        out: list[TransportEvent] = []
+        for e in self.inner.poll():
+            out += [e, e] if isinstance(e, WriteCompleted) else [e]
+        return out
+
+
+class WriteClampsRange(WriteWrapper):
+    """Clamps holder block ids past its layout to its last block."""
+
+    def write_blocks(self, peer: PeerId, *, remote_blocks: Sequence[int], **kw: object) -> WriteId:
+        holder = self.group.net.current(peer)
+        layout = holder.layout if holder is not None else None
+        if layout is not None:
+            remote_blocks = [min(b, layout.num_blocks - 1) for b in remote_blocks]
+        return super().write_blocks(peer, remote_blocks=remote_blocks, **kw)  # type: ignore[arg-type]
+
+
+class WriteIgnoresRemoteSlice(WriteWrapper):
+    """Writes into the mirror-image slice of each holder block."""
+
+    def write_blocks(
+        self, peer: PeerId, *, remote_slice: BlockSlice = BlockSlice.FULL, **kw: object
+    ) -> WriteId:
+        flipped = BlockSlice(
+            index=remote_slice.parts - 1 - remote_slice.index, parts=remote_slice.parts
+        )
+        return super().write_blocks(peer, remote_slice=flipped, **kw)  # type: ignore[arg-type]
+
+
+class WriteMasksDeadPeer(WriteWrapper):
+    """A write that failed because the holder died is reported completed."""
+
+    def poll(self) -> Sequence[TransportEvent]:
+        return [
+            WriteCompleted(write_id=e.write_id)
+            if isinstance(e, WriteFailed) and "dead" in e.reason
+            else e
+            for e in self.inner.poll()
+        ]
+
+
 class BrokenGroup(LoopbackGroup):
     """A loopback group whose endpoints are wrapped in one flaw."""
 
@@ -509,6 +600,14 @@ EXPECTED: dict[type[Wrapper], set[str]] = {
     MasksDeadPeerReads: {"T4.3", "T4.4"},
     OverReportsLoss: {"T4.4"},
     Leaky: {"T5.1"},
+    WriteNotifyBeforeData: {"T6.2"},
+    # Reported done at issue: every case that judges a completion against the data sees it
+    # before the data (or for a write that failed: out of range, dead holder).
+    WriteCompletesEarly: {"T6.3", "T6.4", "T6.5", "T6.6"},
+    WriteDoubleCompletion: {"T6.1", "T6.2", "T6.3", "T6.5", "T6.7"},
+    WriteClampsRange: {"T6.4"},
+    WriteIgnoresRemoteSlice: {"T6.5"},
+    WriteMasksDeadPeer: {"T6.6"},
 }
 
 # flaw -> the SHOULD cases it breaks (NON-STRICT normally, FAIL with --strict)

@@ -107,7 +107,7 @@ def test_cases_are_numbered_grouped_and_documented() -> None:
     cases = all_cases()
     ids = [c.id for c in cases]
     assert len(ids) == len(set(ids)) >= 30
-    assert ids[0] == "T0.1" and ids[-1].startswith("T5.")
+    assert ids[0] == "T0.1" and ids[-1].startswith("T6.")
     for c in cases:
         assert c.requirement and c.protects and c.title
         assert c.group in {
@@ -117,6 +117,7 @@ def test_cases_are_numbered_grouped_and_documented() -> None:
             "Reads",
             "Peer failure",
             "Resources",
+            "Writes (push mode)",
         }
 
 

@@ -44,6 +44,9 @@ SAMPLES: list[wire.Message] = [
     wire.DoneAck(lease=1, verdict=wire.DoneVerdict.LATE),
     wire.Revoke(leases=[1, 2], reason=4),
     wire.Reject(reason=wire.RejectReason.NO_SESSION, seq=5),
+    wire.Arm(claim=wire.Claim(lease=7, proof=PROOF)),
+    wire.ArmAck(lease=7, armed=True, left=12.25),
+    wire.ArmAck(lease=8, armed=False),
 ]
 
 
@@ -234,7 +237,7 @@ def test_decode_is_total_on_mutated_frames(
 def test_peek_tag_names_the_message_and_its_direction(msg: wire.Message) -> None:
     tag = wire.peek_tag(wire.encode(msg, KEY))
     assert tag == type(msg).__struct_config__.tag
-    to_holder = isinstance(msg, (wire.Hello, wire.Heartbeat, wire.Done))
+    to_holder = isinstance(msg, (wire.Hello, wire.Heartbeat, wire.Done, wire.Arm))
     assert (tag in wire.TO_HOLDER_TAGS) is to_holder
     assert (tag in wire.TO_READER_TAGS) is not to_holder
 

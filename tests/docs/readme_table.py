@@ -50,6 +50,16 @@ ROWS: tuple[TableRow, ...] = (
     # decode-overload), less only where vLLM's frames grow with the queue.
     TableRow("normal", "heartbeat_bytes", "healthy, short decode queues", "heartbeat bytes"),
     TableRow("decode-overload", "heartbeat_bytes", "queues up to 10x the lease", "heartbeat bytes"),
+    # Push mode: D's blocks wait for P's WRITE (spec/push-mode.md).
+    TableRow("push-prefill-crash", "reclaim_s", "push: P killed, silent", "D's reclaim"),
+    TableRow(
+        "push-prefill-crash-reported", "reclaim_s", "push: P killed, PEER_LOST 1 s", "D's reclaim"
+    ),
+    TableRow(
+        "push-prefill-overload", "premature_frees", "push: P writes 0-300 s late", "premature frees"
+    ),
+    TableRow("push-slow-write", "written_freed", "push: WRITEs of 40-90 s", "wrote freed"),
+    TableRow("push-prefill-stall", "written_freed", "push: P stalls 25-60 s", "wrote freed"),
 )
 """The rows, in order."""
 
@@ -69,12 +79,19 @@ def scenarios() -> list[str]:
 def _cell(row: TableRow, run: RunResult) -> str:
     m = run.metrics
     value = m[row.key]
+    stranded = int(run.extra.get("stranded_blocks", 0))
+    if row.key == "reclaim_s" and stranded:
+        # Blocks that never came back: the figure is the run's cap, say what it means.
+        text = f"never ({stranded:,} blocks stranded"
+        freed = run.extra.get("reclaim_freed_s", 0.0)
+        return text + (f"; the rest by {freed:.1f} s)" if freed else ")")
     text = f"{_fmt(row.key, value)} s" if row.key == "reclaim_s" else _fmt(row.key, value)
     used = int(m["overlapped_reads"] or 0)
     if row.key == "reclaim_s" and used:
         text += f", {used} used freed"
     wasted = int(m["wasted_prefill_tokens"] or 0)
-    if row.key == "overlapped_reads" and run.policy == "kvproto" and wasted:
+    fenced_row = row.key in ("overlapped_reads", "written_freed")
+    if fenced_row and run.policy == "kvproto" and wasted:
         text += f" (recomputed: {wasted:,} tokens)"
     return text
 

@@ -36,6 +36,12 @@ _TABLES: tuple[tuple[str, str, Table], ...] = (
         "One per holder rank a reader rank talks to, in `Reader`.",
         states.SESSION_TRANSITIONS,
     ),
+    (
+        "Write fence (holder side, push mode)",
+        "One per writable lease, in `Holder` (spec/push-mode.md §3): entering QUARANTINED emits "
+        "`WriteFenced`, entering SETTLED `FreeBlocks`.",
+        states.WRITE_TRANSITIONS,
+    ),
 )
 
 

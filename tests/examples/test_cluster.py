@@ -76,7 +76,8 @@ def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range() -> Non
 
 
 def test_unknown_connector_is_refused_before_anything_starts(tmp_path: Path) -> None:
-    assert CONNECTORS == ("kvproto", "stock")
+    assert CONNECTORS == ("kvproto", "stock", "stock-push")
+    assert kv_transfer_config("stock-push", "kv_consumer")["kv_connector"] == "NixlPushConnector"
     with pytest.raises(ValueError, match="unknown connector 'nixl'"):
         kv_transfer_config("nixl", "kv_producer")
     spec = EngineSpec(name="p", role="kv_producer", port=1, side_channel_port=2)

@@ -21,7 +21,7 @@ from kvproto_tools.sim.sweep import plan, sweep
 from tests.sim.test_cli_errors import ROOT
 
 RSS_LIMIT_KB = 300_000
-"""Far above the interpreter and one run in flight, far below a plan of 40 million tasks."""
+"""Far above the interpreter and one run in flight, far below a plan of 64 million tasks."""
 
 
 def _rss_kb(pid: int) -> int:

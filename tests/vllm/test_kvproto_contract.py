@@ -188,7 +188,13 @@ def test_extra_config() -> None:
         {"backends": []},
         {"enforce_handshake_compat": False},
         {"kvproto_side_channel_port": 70000},
+        {"transfer_mode": "write"},
     )
     for bad in bad_configs:
         with pytest.raises(ConfigError):
             parse_extra_config(bad)
+    assert parse_extra_config({"transfer_mode": "pull"}).lease == parse_extra_config({}).lease
+    # Push mode is refused when the engine starts, with the reason, until the adapter runs it.
+    with pytest.raises(ConfigError, match="transfer_mode 'push' is not available") as refused:
+        parse_extra_config({"transfer_mode": "push"})
+    assert "spec/push-mode.md" in str(refused.value)

@@ -278,6 +278,8 @@ def _check_simulate(args: argparse.Namespace) -> tuple[list[str], list[str], ran
             check_output(args.plot, "--plot", plot=True)
     except OutputPathError as exc:
         raise UsageError(str(exc)) from None
+    if args.plot is not None and all(SCENARIOS[s].push is not None for s in scenarios):
+        raise UsageError("--plot draws held blocks of pull scenarios; push runs record none")
     if args.plot is not None:
         try:
             import matplotlib  # noqa: F401

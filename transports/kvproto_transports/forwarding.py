@@ -12,9 +12,18 @@ from collections.abc import Sequence
 from typing import Generic, TypeVar
 
 from kvproto.tpmath import BlockLayout, BlockSlice
-from kvproto.transport import Capabilities, PeerId, ReadId, Transport, TransportEvent
+from kvproto.transport import (
+    Capabilities,
+    PeerId,
+    ReadId,
+    Transport,
+    TransportEvent,
+    WritableTransport,
+    WriteId,
+)
 
 T = TypeVar("T", bound=Transport)
+W = TypeVar("W", bound=WritableTransport)
 
 
 class ForwardingTransport(Generic[T]):
@@ -75,3 +84,27 @@ class ForwardingTransport(Generic[T]):
 
     def close(self) -> None:
         self.inner.close()
+
+
+class ForwardingWrites(ForwardingTransport[W]):
+    """:class:`ForwardingTransport` of a :class:`~kvproto.transport.WritableTransport`:
+    ``write_blocks`` goes to :attr:`inner` unchanged too."""
+
+    def write_blocks(
+        self,
+        peer: PeerId,
+        *,
+        local_blocks: Sequence[int],
+        remote_blocks: Sequence[int],
+        local_slice: BlockSlice = BlockSlice.FULL,
+        remote_slice: BlockSlice = BlockSlice.FULL,
+        notify: bytes | None = None,
+    ) -> WriteId:
+        return self.inner.write_blocks(
+            peer,
+            local_blocks=local_blocks,
+            remote_blocks=remote_blocks,
+            local_slice=local_slice,
+            remote_slice=remote_slice,
+            notify=notify,
+        )

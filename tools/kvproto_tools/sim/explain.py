@@ -25,17 +25,21 @@ FIGURES: dict[str, str] = {
         "decoder was going to read had ended (if one never ends: until the run's end); with "
         "router drops: the longest a dropped request's hold lasted after its drop; "
         "'-' (JSON null) in a scenario without either. With several seeds: the mean, and "
-        "the worst seed in brackets."
+        "the worst seed in brackets. Push scenarios: from the prefill engine's crash until "
+        "every decoder block that waited for its writes was given back (used or recomputed "
+        "into); never (the run's cap) while one stays stranded."
     ),
     "dead_block_seconds": (
         "the sum over holds of blocks x (end - the moment no live reader would use them "
-        "any more: its reader crashed, gave up, or had copied all its data)."
+        "any more: its reader crashed, gave up, or had copied all its data). Push "
+        "scenarios: decoder blocks x seconds spent waiting for a crashed prefill engine."
     ),
     "premature_frees": (
         "holds freed while their request was on its way to, or waiting or reading at, a "
         "live reader that had not copied all its data. kvproto shows some where a reader "
         "cannot heartbeat in time (a stalled step, a cut link): its read is then fenced and "
-        "recomputed, never served."
+        "recomputed, never served. Push scenarios: decoder blocks given up (recomputed "
+        "into) while the live prefill engine still meant to write them."
     ),
     "overlapped_reads": (
         "requests whose loaded blocks were used although at least one of their reads "
@@ -45,17 +49,26 @@ FIGURES: dict[str, str] = {
     "wasted_prefill_tokens": (
         "tokens recomputed because prefilled blocks could not be used (the prompt for turn "
         "1, prompt + output for turn 2): declined or fenced reads, lost leases, failed reads "
-        "or handshakes. Requests lost with a crashed decoder are not counted."
+        "or handshakes. Requests lost with a crashed decoder are not counted. Push "
+        "scenarios: prompts the decoder recomputed because the pushed KV was not used."
     ),
     "heartbeat_bytes": (
         "keep-alive bytes put on the wire: vLLM's HB: frames; kvproto's Heartbeat and "
-        "HeartbeatAck frames (both directions count)."
+        "HeartbeatAck frames (both directions count). Push scenarios: what keeps the "
+        "decoder's waiting blocks (kvproto's writer heartbeats and acks; the baselines send none)."
     ),
     "heartbeat_messages": "keep-alive messages put on the wire, counted as heartbeat bytes are.",
     "safety_violations": (
         "safety oracle failures: S1 use after free, S2 a holder's deadline shortened, "
         "S3 a hold resurrected or leaked, S4 a double free, S0 wrong bytes without an "
         "overlapping free (a simulator bug). kvproto's are bugs and make the command exit 1."
+        " Push mode: S1w a WRITE landed in blocks the decoder had let go, S0 used blocks that "
+        "do not hold the request's KV."
+    ),
+    "written_freed": (
+        "push scenarios: WRITEs from the prefill engine whose data landed in decoder blocks "
+        "that no longer waited for them (given up and recomputed into, or handed to another "
+        "request): the push twin of used freed, silent corruption. 0 in pull scenarios."
     ),
 }
 """Per JSON metric key: its definition (the table's column is ``report.LABELS[key][0]``)."""

@@ -193,6 +193,7 @@ class Metrics:
     heartbeat_bytes: int = 0
     heartbeat_messages: int = 0
     safety_violations: int = 0
+    written_freed: int = 0
 
     def as_dict(self) -> dict[str, float | int | None]:
         """The JSON ``metrics`` object (floats rounded to the millisecond for stable output)."""
@@ -205,6 +206,7 @@ class Metrics:
             "heartbeat_bytes": self.heartbeat_bytes,
             "heartbeat_messages": self.heartbeat_messages,
             "safety_violations": self.safety_violations,
+            "written_freed": self.written_freed,
         }
 
 

@@ -47,8 +47,13 @@ LABELS: dict[str, tuple[str, str]] = {
         "unsafe",
         "safety oracle failures (use of freed blocks, shortened deadline, double free, ...)",
     ),
+    "written_freed": (
+        "wrote freed",
+        "push mode: WRITEs whose data landed in decoder blocks no longer waiting for them "
+        "(silent corruption of whoever has them)",
+    ),
 }
-SUMMED = frozenset({"premature_frees", "overlapped_reads", "safety_violations"})
+SUMMED = frozenset({"premature_frees", "overlapped_reads", "safety_violations", "written_freed"})
 """Counts: summed over seeds. Every other figure is averaged per run."""
 
 
@@ -207,16 +212,17 @@ def conclusions(rows: Sequence[Row]) -> list[str]:
         key = sc.headline
         label = LABELS[key][0]
         figures = ", ".join(f"{r.policy} {_fmt(key, r.values[key])}" for r in group)
+        # Pull runs use freed blocks (overlapped_reads), push runs write into them.
+        bad = "written_freed" if sc.push is not None else "overlapped_reads"
         unsafe = [
-            f"{r.policy} ({_fmt('overlapped_reads', r.values['overlapped_reads'])})"
-            for r in group
-            if (r.values["overlapped_reads"] or 0) > 0
+            f"{r.policy} ({_fmt(bad, r.values[bad])})" for r in group if (r.values[bad] or 0) > 0
         ]
-        if key == "overlapped_reads":
+        if key in ("overlapped_reads", "written_freed"):
             verdict = "silent corruption: " + (", ".join(unsafe) if unsafe else "none")
             line = f"{label}: {figures} ({verdict})."
         else:
-            verdict = "used freed blocks: " + (", ".join(unsafe) if unsafe else "nobody")
+            what = "wrote into" if sc.push is not None else "used"
+            verdict = f"{what} freed blocks: " + (", ".join(unsafe) if unsafe else "nobody")
             line = f"{label}: {figures}; {verdict}."
         for note in (_fenced_premature(group), _vllm_saw_it(group)):
             if note:
@@ -247,9 +253,10 @@ def _fenced_premature(group: Sequence[Row]) -> str:
     n = _fmt("premature_frees", kv.values["premature_frees"])
     tokens = _fmt("wasted_prefill_tokens", kv.values["wasted_prefill_tokens"])
     return (
-        f"kvproto premature {n}: a reader that cannot heartbeat in time (a stalled step, a cut "
-        f"link) loses its lease, as designed; its read is then fenced and the prompt recomputed "
-        f"(part of recomp tok {tokens}), never served from freed blocks."
+        f"kvproto premature {n}: a reader (in push mode, the writer) that cannot heartbeat in "
+        f"time (a stalled step, a cut link) loses its lease, as designed; its read (or write) "
+        f"is then fenced and the prompt recomputed (part of recomp tok {tokens}), never served "
+        f"from freed blocks."
     )
 
 

@@ -67,6 +67,31 @@ class FaultEvent:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class PushSpec:
+    """What a push-mode scenario adds: P writes into D's blocks (spec/push-mode.md).
+
+    The cluster is one prefill engine P0 and one decoder D0 (TP 1 each); spec/simulator.md,
+    "Push mode", describes the model.
+    """
+
+    writer_wait: QueueWait = field(default_factory=lambda: QueueWait(kind="exp", a=0.2, b=2.0))
+    """How long a registration waits at P before P writes it (P's own queue)."""
+    write_s: tuple[float, float] = (0.05, 0.5)
+    """How long one WRITE takes, seconds (uniform)."""
+    slow_every: int = 0
+    """Every ``slow_every``-th write takes ``slow_s`` instead (0: none)."""
+    slow_s: tuple[float, float] = (40.0, 90.0)
+    """A slow write's duration range, seconds (uniform)."""
+    stall_every: float = 0.0
+    """P stalls (no step: no heartbeat, no new write) every this many seconds (0: never),
+    while the writes it posted go on."""
+    stall_s: tuple[float, float] = (20.0, 60.0)
+    """A stall's duration range, seconds (uniform)."""
+    prefill_crash: float | None = None
+    """When P0 dies (kill -9), global seconds; None: it does not."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Scenario:
     """A workload plus at most one kind of fault."""
 
@@ -116,6 +141,8 @@ class Scenario:
     events: tuple[FaultEvent, ...] = ()
     """Any number of faults at given times, beside (or instead of) the single ones above:
     how a chaos run's schedule is replayed (spec/chaos.md)."""
+    push: PushSpec | None = None
+    """Push mode: P writes into D's blocks (:mod:`kvproto_tools.sim.push` runs it)."""
 
 
 _SKEW = {
@@ -124,6 +151,11 @@ _SKEW = {
     "D0": NodeClock(offset=-3600.0, drift_ppm=-200.0),
     "D1": NodeClock(offset=+3600.0, drift_ppm=+200.0),
 }
+
+_PUSH_CRASH = PushSpec(
+    writer_wait=QueueWait(kind="exp", a=5.0, b=30.0), write_s=(0.5, 2.0), prefill_crash=60.0
+)
+"""P killed at 60 s while its writer queue (up to 30 s) keeps D's blocks waiting."""
 
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
@@ -212,11 +244,55 @@ SCENARIOS: dict[str, Scenario] = {
             headline="wasted_prefill_tokens",
             turn2_fraction=0.5,
         ),
+        Scenario(
+            name="push-normal",
+            summary="push mode: P writes into D's blocks, healthy",
+            headline="heartbeat_bytes",
+            push=PushSpec(),
+        ),
+        Scenario(
+            name="push-prefill-crash",
+            summary="push mode: P killed at 60 s (silent) while D's blocks wait for its "
+            "writes (P's writer queue: up to 30 s)",
+            headline="reclaim_s",
+            detection_delay=float("inf"),
+            push=_PUSH_CRASH,
+        ),
+        Scenario(
+            name="push-prefill-crash-reported",
+            summary="push mode: P killed at 60 s while D's blocks wait; the transport reports "
+            "the loss 1 s later (PEER_LOST)",
+            headline="reclaim_s",
+            detection_delay=1.0,
+            push=_PUSH_CRASH,
+        ),
+        Scenario(
+            name="push-prefill-overload",
+            summary="push mode: P writes each registration 0-300 s after it arrived (10x the "
+            "30 s lease)",
+            headline="premature_frees",
+            arrival_rate=0.5,
+            push=PushSpec(writer_wait=QueueWait(kind="uniform", a=0.0, b=300.0)),
+        ),
+        Scenario(
+            name="push-slow-write",
+            summary="push mode: every 10th WRITE takes 40-90 s, more than the 30 s lease "
+            "(P keeps stepping)",
+            headline="written_freed",
+            push=PushSpec(slow_every=10),
+        ),
+        Scenario(
+            name="push-prefill-stall",
+            summary="push mode: P stalls for 25-60 s every 45 s (no heartbeat) while writes of "
+            "5-40 s it posted go on",
+            headline="written_freed",
+            push=PushSpec(write_s=(5.0, 40.0), stall_every=45.0, stall_s=(25.0, 60.0)),
+        ),
     )
 }
 
 DEFAULT_SET: tuple[str, ...] = tuple(SCENARIOS)
 """What ``kvproto simulate`` runs with no arguments: every scenario."""
 
-FAULT_SCENARIOS: tuple[str, ...] = tuple(n for n in SCENARIOS if n != "normal")
+FAULT_SCENARIOS: tuple[str, ...] = tuple(n for n in SCENARIOS if not n.endswith("normal"))
 """The scenarios that inject a fault (the CI sweep rotates through these)."""

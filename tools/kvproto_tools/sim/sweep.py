@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from kvproto_tools.sim.engine import RunResult, Simulator
 from kvproto_tools.sim.policies import POLICIES
+from kvproto_tools.sim.push import PushSimulator
 from kvproto_tools.sim.scenarios import SCENARIOS
 
 
@@ -30,6 +31,8 @@ class Task:
 
 def run_task(task: Task) -> RunResult:
     """Run one task (also the worker function of the process pool)."""
+    if SCENARIOS[task.scenario].push is not None:
+        return PushSimulator(task.scenario, task.policy, task.seed).run()
     sim = Simulator(
         task.scenario, task.policy, task.seed, liveness=task.liveness, timeline=task.timeline
     )

@@ -10,10 +10,16 @@ from kvproto.transport import (
     ReadCompleted,
     ReadId,
     Received,
-    TransportError,
     TransportEvent,
 )
-from kvproto_transports.conformance.harness import Ctx, Net, pattern
+from kvproto_transports.conformance.harness import (
+    Ctx,
+    Net,
+    must_fail,
+    notify_problems,
+    pattern,
+    range_outcome,
+)
 from kvproto_transports.conformance.model import Level
 from kvproto_transports.conformance.registry import Outcome, case
 
@@ -110,25 +116,10 @@ def one_completion(ctx: Ctx) -> Outcome:
             problems.append(f"read {rid}: {kinds or 'no completion'}")
         elif not data_landed(net, plan):
             problems.append(f"read {rid}: completed but the data is wrong")
-    problems += _notify_problems(net, notifies)
+    problems += notify_problems(net, notifies, at=HOLDER, sender=READER)
     if problems:
         return Outcome(ok=False, detail="; ".join(problems))
     return Outcome(ok=True, detail=f"{len(ids)} reads, one completion and one notify each")
-
-
-def _notify_problems(net: Net, notifies: set[bytes]) -> list[str]:
-    problems = []
-    reader = net.ep(READER).local_peer
-    got = [r for r in net.received(HOLDER) if r.payload in notifies]
-    for n in sorted(notifies):
-        count = sum(1 for r in got if r.payload == n)
-        if count == 0:
-            problems.append(f"notify {n!r} never reached the holder")
-        elif count > 1 and not net.caps.may_duplicate:
-            problems.append(f"notify {n!r} delivered {count} times")
-    if any(r.peer != reader for r in got):
-        problems.append("a notify was attributed to someone other than the reader")
-    return problems
 
 
 @case(
@@ -240,25 +231,15 @@ def _kinds(net: Net, slot: int, rid: ReadId) -> str:
 
 def _must_fail(net: Net, what: str, *, local: list[int], remote: list[int]) -> str | None:
     """Issue a read that must not succeed; a problem description, or None if it failed well."""
-    snapshot = [net.block(READER, r, b) for r in range(REGIONS) for b in range(BLOCKS)]
-    try:
-        rid = net.ep(READER).read_blocks(
+    return must_fail(
+        net,
+        what,
+        lambda: net.ep(READER).read_blocks(
             net.ids[(READER, HOLDER)], local_blocks=local, remote_blocks=remote, notify=b"must-not"
-        )
-    except TransportError:
-        return None
-    except Exception as exc:
-        return f"{what}: raised {type(exc).__name__} (not a TransportError)"
-    net.wait_until(lambda: bool(net.read_events(READER, rid)))
-    kinds = [type(e) for e in net.read_events(READER, rid)]
-    after = [net.block(READER, r, b) for r in range(REGIONS) for b in range(BLOCKS)]
-    if not kinds:
-        return f"{what}: no completion and no failure (hang)"
-    if ReadCompleted in kinds:
-        return f"{what}: ReadCompleted"
-    if after != snapshot:
-        return f"{what}: failed but local memory was modified"
-    return None
+        ),
+        lambda rid: net.read_events(READER, rid),
+        watch=READER,
+    )
 
 
 @case(
@@ -273,18 +254,11 @@ def _must_fail(net: Net, what: str, *, local: list[int], remote: list[int]) -> s
 )
 def out_of_range(ctx: Ctx) -> Outcome:
     net = holder_reader(ctx)
-    problems = [
-        p
-        for p in (
-            _must_fail(net, "remote block = num_blocks", local=[0], remote=[BLOCKS]),
-            _must_fail(net, "remote block 10**6", local=[1], remote=[10**6]),
-            _must_fail(net, "local block = num_blocks", local=[BLOCKS], remote=[0]),
-        )
-        if p
-    ]
-    if problems:
-        return Outcome(ok=False, detail="; ".join(problems))
-    return Outcome(ok=True, detail="3 out-of-range reads refused or failed")
+    return range_outcome(
+        lambda what, local, remote: _must_fail(net, what, local=local, remote=remote),
+        BLOCKS,
+        "reads",
+    )
 
 
 @case(
@@ -326,7 +300,7 @@ def zero_block_read(ctx: Ctx) -> Outcome:
     kinds = [type(e).__name__ for e in net.read_events(READER, rid)]
     if kinds != ["ReadCompleted"]:
         problems.append(f"read ended with {kinds or 'nothing (hang)'}")
-    problems += _notify_problems(net, {b"zero-done"})
+    problems += notify_problems(net, {b"zero-done"}, at=HOLDER, sender=READER)
     if problems:
         return Outcome(ok=False, detail="; ".join(problems))
     return Outcome(ok=True, detail="one ReadCompleted, notify delivered")

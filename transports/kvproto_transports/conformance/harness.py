@@ -17,10 +17,15 @@ from kvproto.transport import (
     ReadId,
     Received,
     Transport,
+    TransportError,
     TransportEvent,
+    WritableTransport,
+    WriteCompleted,
+    WriteFailed,
+    WriteId,
 )
 from kvproto_transports.conformance.factory import EndpointGroup, TransportFactory
-from kvproto_transports.conformance.registry import Unsupported
+from kvproto_transports.conformance.registry import Outcome, Unsupported
 
 Hook = Callable[[int, TransportEvent], None]
 """Called with (slot, event) the moment the kit observes an event."""
@@ -163,6 +168,21 @@ class Net:
         """Peers reported lost at slot ``i``."""
         return [e.peer for e in self.events.get(i, []) if isinstance(e, PeerLost)]
 
+    def writer(self, i: int) -> WritableTransport:
+        """The endpoint in slot ``i`` as a writer (Unsupported if the transport does not write)."""
+        ep = self.ep(i)
+        if not isinstance(ep, WritableTransport) or not ep.capabilities.writes:
+            raise Unsupported("the transport does not write (capabilities.writes is False)")
+        return ep
+
+    def write_events(self, i: int, write_id: WriteId) -> list[WriteCompleted | WriteFailed]:
+        """Terminal events of one write at slot ``i``."""
+        return [
+            e
+            for e in self.events.get(i, [])
+            if isinstance(e, WriteCompleted | WriteFailed) and e.write_id == write_id
+        ]
+
     def read_events(self, i: int, read_id: ReadId) -> list[ReadCompleted | ReadFailed]:
         """Terminal events of one read at slot ``i``."""
         return [
@@ -170,6 +190,73 @@ class Net:
             for e in self.events.get(i, [])
             if isinstance(e, ReadCompleted | ReadFailed) and e.read_id == read_id
         ]
+
+
+def notify_problems(net: Net, notifies: set[bytes], *, at: int, sender: int) -> list[str]:
+    """What is wrong with how ``notifies`` reached slot ``at``: each must arrive (exactly once
+    unless duplication is declared), attributed to slot ``sender``."""
+    problems = []
+    source = net.ep(sender).local_peer
+    got = [r for r in net.received(at) if r.payload in notifies]
+    for n in sorted(notifies):
+        count = sum(1 for r in got if r.payload == n)
+        if count == 0:
+            problems.append(f"notify {n!r} never reached the holder")
+        elif count > 1 and not net.caps.may_duplicate:
+            problems.append(f"notify {n!r} delivered {count} times")
+    if any(r.peer != source for r in got):
+        problems.append("a notify was attributed to someone other than its sender")
+    return problems
+
+
+def must_fail(
+    net: Net,
+    what: str,
+    start: Callable[[], int],
+    ended: Callable[[int], Sequence[TransportEvent]],
+    *,
+    watch: int,
+) -> str | None:
+    """Issue a transfer that must not succeed (``start``); a problem description, or None if
+    it failed well: a TransportError at once, or a failure event within the timeout with
+    slot ``watch``'s memory (the side data would land in) unchanged."""
+    layout = net.layouts[watch]
+    cells = [(r, b) for r in range(layout.num_regions) for b in range(layout.num_blocks)]
+    snapshot = [net.block(watch, r, b) for r, b in cells]
+    try:
+        tid = start()
+    except TransportError:
+        return None
+    except Exception as exc:
+        return f"{what}: raised {type(exc).__name__} (not a TransportError)"
+    net.wait_until(lambda: bool(ended(tid)))
+    kinds = [type(e) for e in ended(tid)]
+    if not kinds:
+        return f"{what}: no completion and no failure (hang)"
+    if ReadCompleted in kinds or WriteCompleted in kinds:
+        return f"{what}: {'WriteCompleted' if WriteCompleted in kinds else 'ReadCompleted'}"
+    if [net.block(watch, r, b) for r, b in cells] != snapshot:
+        return f"{what}: failed but the memory it would land in was modified"
+    return None
+
+
+def range_outcome(
+    fail: Callable[[str, list[int], list[int]], str | None], blocks: int, kind: str
+) -> Outcome:
+    """Three transfers outside the layouts (``fail(what, local, remote)`` issues one and says
+    what went wrong): past the peer's last block, far past it, past one's own."""
+    problems = [
+        p
+        for p in (
+            fail("remote block = num_blocks", [0], [blocks]),
+            fail("remote block 10**6", [1], [10**6]),
+            fail("local block = num_blocks", [blocks], [0]),
+        )
+        if p
+    ]
+    if problems:
+        return Outcome(ok=False, detail="; ".join(problems))
+    return Outcome(ok=True, detail=f"3 out-of-range {kind} refused or failed")
 
 
 class Ctx:

@@ -19,6 +19,7 @@ GROUPS = {
     "T3": "Reads",
     "T4": "Peer failure",
     "T5": "Resources",
+    "T6": "Writes (push mode)",
 }
 """Case id prefix -> the concern its cases check."""
 
@@ -121,6 +122,7 @@ def all_cases() -> list[Case]:
         cases_notify,
         cases_reads,
         cases_resources,
+        cases_writes,
     )
 
     return sorted(CASES, key=lambda c: tuple(int(x) for x in c.id[1:].split(".")))

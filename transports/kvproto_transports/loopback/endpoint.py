@@ -24,7 +24,6 @@ from kvproto.transport import (
     MemoryNotRegistered,
     PeerId,
     PeerUnreachable,
-    ReadFailed,
     ReadId,
     ThreadAffinity,
     TransportClosed,
@@ -33,6 +32,7 @@ from kvproto.transport import (
 )
 from kvproto_transports.loopback.memory import Memory
 from kvproto_transports.loopback.stats import Counters, LoopbackStats
+from kvproto_transports.transfers import Transfers, outcome
 
 if TYPE_CHECKING:
     from kvproto_transports.loopback.network import LoopbackNetwork
@@ -49,27 +49,29 @@ class _Metadata(msgspec.Struct, frozen=True):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PendingRead:
-    """A read in flight, as the network needs it at completion time."""
+    """A read (or a write) in flight, as the network needs it at completion time."""
 
     read_id: ReadId
-    """The reader's handle."""
+    """The issuer's handle."""
     reader: LoopbackTransport
-    """The endpoint that issued the read (and receives the data)."""
+    """The endpoint that issued the transfer (a read's data lands here, a write's leaves)."""
     holder: PeerId
-    """The peer whose memory is read."""
+    """The peer whose memory is read (or written)."""
     local_blocks: tuple[int, ...]
-    """Destination blocks, one per remote block."""
+    """The issuer's blocks, one per remote block."""
     remote_blocks: tuple[int, ...]
-    """Source blocks at the holder."""
+    """The peer's blocks."""
     local_slice: BlockSlice
-    """Which part of each local block is written."""
+    """Which part of each local block moves."""
     remote_slice: BlockSlice
-    """Which part of each remote block is read."""
+    """Which part of each remote block moves."""
     notify: bytes | None
-    """Sent to the holder after the data is copied."""
+    """Sent to the peer after the data is copied."""
+    write: bool = False
+    """A WRITE: the data goes from the issuer's memory into the peer's."""
 
 
-class LoopbackTransport:
+class LoopbackTransport(Transfers):
     """An in-process endpoint on a :class:`~.network.LoopbackNetwork`.
 
     Create it with ``net.endpoint(name)``; its ``local_peer`` is
@@ -149,6 +151,7 @@ class LoopbackTransport:
             failure_detection_bound_s=self._net.detection_delay,
             one_sided_reads=False,
             thread_affinity=ThreadAffinity.OWNER,
+            writes=True,
         )
 
     @property
@@ -306,21 +309,24 @@ class LoopbackTransport:
 
     # --- reads ---------------------------------------------------------------------
 
-    def read_blocks(
+    def _transfer(
         self,
         peer: PeerId,
         *,
         local_blocks: Sequence[int],
         remote_blocks: Sequence[int],
-        local_slice: BlockSlice = BlockSlice.FULL,
-        remote_slice: BlockSlice = BlockSlice.FULL,
-        notify: bytes | None = None,
+        local_slice: BlockSlice,
+        remote_slice: BlockSlice,
+        notify: bytes | None,
+        write: bool,
     ) -> ReadId:
-        """Issue one read; data is copied when the simulated clock reaches its completion.
+        """Issue one read or write; the data is copied when the simulated clock reaches its
+        completion (a write's into the peer's memory, then ``notify`` leaves).
 
         Local mistakes raise at once (:class:`MemoryNotRegistered`,
-        :class:`FrameTooLarge`, :class:`UnknownPeer`); anything that depends on
-        the peer (its layout, its liveness, the link) ends in ReadFailed.
+        :class:`FrameTooLarge`, :class:`UnknownPeer`); anything that depends on the peer
+        (its layout, its liveness, the link) ends in ReadFailed or WriteFailed; a dead or
+        cut-off peer, or a dead issuer, lands nothing.
         """
         self._check_open()
         if len(local_blocks) != len(remote_blocks):
@@ -345,11 +351,12 @@ class LoopbackTransport:
             local_slice=local_slice,
             remote_slice=remote_slice,
             notify=notify,
+            write=write,
         )
         self.counters.reads_issued += 1
         self._net.counters.reads_issued += 1
         if lost:
-            self.fail_read(read.read_id, f"{peer} was reported lost")
+            self.fail_read(read, f"{peer} was reported lost")
         else:
             self._net.start_read(read)
         return read.read_id
@@ -365,11 +372,11 @@ class LoopbackTransport:
         for block_len in self._layout.block_lens:
             local_slice.span(block_len)  # raises if the slice does not divide the block
 
-    def fail_read(self, read_id: ReadId, reason: str) -> None:
-        """Report a failed read (used by the network)."""
+    def fail_read(self, read: PendingRead, reason: str) -> None:
+        """Report a failed read or write (used by the network)."""
         self.counters.reads_failed += 1
         self._net.counters.reads_failed += 1
-        self._inbox.append(ReadFailed(read_id=read_id, reason=reason))
+        self._inbox.append(outcome(read.read_id, write=read.write, failed=reason))
 
     # --- lifecycle -----------------------------------------------------------------
 

@@ -18,6 +18,10 @@ Semantics (what tests and the simulator may rely on):
   reader's inbox and the notify, if any, is then sent reader -> holder as a
   normal notification (subject to that link's faults), so the holder can
   never see it before the copy.
+* A write (push mode) is the same transfer the other way: at completion the
+  data is copied from the writer's memory into the peer's, WriteCompleted goes
+  into the writer's inbox and the notify follows, so the peer sees it only
+  after its memory holds the data. A writer that died first lands nothing.
 * ``crash(name)`` kills an endpoint like ``kill -9``: its memory, inbox and
   pending reads are gone, messages to it are dropped, reads from it fail at
   completion, and every endpoint that had added it gets PeerLost after
@@ -33,7 +37,7 @@ import itertools
 from collections.abc import Callable
 from typing import Literal
 
-from kvproto.transport import PeerId, PeerLost, ReadCompleted, Received
+from kvproto.transport import PeerId, PeerLost, Received
 from kvproto_transports.loopback.endpoint import (
     DEFAULT_MAX_NOTIFICATION_SIZE,
     LoopbackTransport,
@@ -42,6 +46,7 @@ from kvproto_transports.loopback.endpoint import (
 from kvproto_transports.loopback.faults import PERFECT, LinkFaults, Links
 from kvproto_transports.loopback.memory import AddressSpace, Memory
 from kvproto_transports.loopback.stats import Counters, LoopbackStats
+from kvproto_transports.transfers import outcome
 
 _tokens = itertools.count(1)
 
@@ -96,6 +101,12 @@ class LoopbackNetwork:
         self._current: dict[str, LoopbackTransport] = {}
         self._all: dict[PeerId, LoopbackTransport] = {}
         self._cut: set[tuple[str, str]] = set()
+        self.transfer_delay: Callable[[PendingRead], float] | None = None
+        """Extra seconds a read or write takes on top of latency and bandwidth (fault
+        injection: a slow write); None: none."""
+        self.on_transfer: Callable[[PendingRead], None] | None = None
+        """Called the instant a read's or write's data has been copied (an observer for
+        simulators and tests: where and when bytes landed)."""
 
     # --- time ----------------------------------------------------------------------
 
@@ -298,6 +309,8 @@ class LoopbackNetwork:
             if layout is not None and read.local_blocks:
                 span = sum(read.local_slice.span(n)[1] for n in layout.block_lens)
                 latency += span * len(read.local_blocks) / self.read_bandwidth
+        if self.transfer_delay is not None:
+            latency += self.transfer_delay(read)
         self._at(self._now + latency, lambda: self._complete(read))
 
     def _complete(self, read: PendingRead) -> None:
@@ -306,17 +319,19 @@ class LoopbackNetwork:
             return  # nobody left to tell; its memory is gone
         problem = self._check_read(read)
         if problem is not None:
-            reader.fail_read(read.read_id, problem)
+            reader.fail_read(read, problem)
             return
         plan = self._copy_plan(read)
         if isinstance(plan, str):
-            reader.fail_read(read.read_id, plan)
+            reader.fail_read(read, plan)
             return
         for copy in plan:
             copy()
+        if self.on_transfer is not None:
+            self.on_transfer(read)
         reader.counters.reads_completed += 1
         self.counters.reads_completed += 1
-        reader.deliver(ReadCompleted(read_id=read.read_id))
+        reader.deliver(outcome(read.read_id, write=read.write, failed=None))
         if read.notify is not None:
             # Sent only now, after the copy: the holder cannot see it earlier.
             self.transmit(reader, read.holder, read.notify)
@@ -334,39 +349,43 @@ class LoopbackNetwork:
         """Validate every byte range first, so a failed read copies nothing."""
         if not read.local_blocks:
             return []
-        holder = self._all[read.holder].memory()
+        peer = self._all[read.holder].memory()
         mine = read.reader.memory()
-        if holder is None:
+        if peer is None:
             return f"peer {read.holder} registered no memory"
         if mine is None:
             return "local memory was unregistered"
-        src_mem, src_layout = holder
-        dst_mem, dst_layout = mine
-        if src_layout.num_regions != dst_layout.num_regions:
-            return f"{dst_layout.num_regions} local regions vs {src_layout.num_regions} remote"
-        bad = [b for b in read.remote_blocks if not 0 <= b < src_layout.num_blocks]
+        peer_mem, peer_layout = peer
+        my_mem, my_layout = mine
+        if peer_layout.num_regions != my_layout.num_regions:
+            return f"{my_layout.num_regions} local regions vs {peer_layout.num_regions} remote"
+        bad = [b for b in read.remote_blocks if not 0 <= b < peer_layout.num_blocks]
         if bad:
-            return f"remote blocks {bad} outside 0..{src_layout.num_blocks - 1}"
+            return f"remote blocks {bad} outside 0..{peer_layout.num_blocks - 1}"
         plan: list[Callable[[], None]] = []
-        for r in range(src_layout.num_regions):
+        for r in range(peer_layout.num_regions):
             try:
-                roff, rlen = read.remote_slice.span(src_layout.block_lens[r])
-                loff, llen = read.local_slice.span(dst_layout.block_lens[r])
+                roff, rlen = read.remote_slice.span(peer_layout.block_lens[r])
+                loff, llen = read.local_slice.span(my_layout.block_lens[r])
             except Exception as exc:
                 return str(exc)
             if rlen != llen:
                 return f"region {r}: remote slice of {rlen} B into local slice of {llen} B"
+            remote = (peer_mem, peer_layout.region_addrs[r], roff)
+            local = (my_mem, my_layout.region_addrs[r], loff)
+            src, dst = (local, remote) if read.write else (remote, local)
             for lb, rb in zip(read.local_blocks, read.remote_blocks, strict=True):
+                src_block, dst_block = (lb, rb) if read.write else (rb, lb)
                 plan.append(
                     _copier(
-                        src=src_mem,
-                        src_addr=src_layout.region_addrs[r],
-                        src_block=rb,
-                        src_off=roff,
-                        dst=dst_mem,
-                        dst_addr=dst_layout.region_addrs[r],
-                        dst_block=lb,
-                        dst_off=loff,
+                        src=src[0],
+                        src_addr=src[1],
+                        src_block=src_block,
+                        src_off=src[2],
+                        dst=dst[0],
+                        dst_addr=dst[1],
+                        dst_block=dst_block,
+                        dst_off=dst[2],
                         length=rlen,
                     )
                 )

@@ -7,6 +7,11 @@ agent metadata and remembers its layout; the remote descriptor list for a
 (peer, slice) pair is prepared on first use and cached; ``read_blocks`` issues
 one READ covering every region with the done notification attached
 (``notif_msg``), which NIXL delivers to the holder only after the transfer.
+``write_blocks`` (push mode) is the same transfer as a WRITE: NIXL's UCX backend
+flushes the endpoint after a transfer's last operation and sends the notification
+only after that flush (``postXfer`` in ``src/plugins/ucx/ucx_backend.cpp``), so the
+holder sees the notification after the data is in its memory, and the transfer is
+DONE only on remote completion.
 
 Threads: every call that touches NIXL must come from the owner thread (the
 creator, or whoever called :meth:`NixlTransport.adopt_current_thread`);
@@ -46,8 +51,6 @@ from kvproto.transport import (
     PeerId,
     PeerLost,
     PeerUnreachable,
-    ReadCompleted,
-    ReadFailed,
     ReadId,
     Received,
     ThreadAffinity,
@@ -57,6 +60,7 @@ from kvproto.transport import (
 )
 
 from ..read_args import check_block_counts, check_notify, check_regions, region_spans
+from ..transfers import Transfers, count, outcome
 from ._binding import NixlApi, load_nixl
 from .descriptor_ids import DescriptorIds
 from .errors import RegistrationError, WrongThread
@@ -110,6 +114,12 @@ class NixlStats:
     """:class:`ReadCompleted` reported."""
     reads_failed: int = 0
     """:class:`ReadFailed` reported."""
+    writes_started: int = 0
+    """Writes issued (push mode; zero-block writes included)."""
+    writes_completed: int = 0
+    """:class:`WriteCompleted` reported."""
+    writes_failed: int = 0
+    """:class:`WriteFailed` reported."""
     peers_lost: int = 0
     """:class:`PeerLost` reported."""
     remote_dlists_prepared: int = 0
@@ -148,9 +158,11 @@ class _Route:
 class _Read:
     peer: PeerId
     handle: Any
+    write: bool = False
+    """A WRITE (push mode): reported as WriteCompleted / WriteFailed."""
 
 
-class NixlTransport:
+class NixlTransport(Transfers):
     """One NIXL agent as a kvproto transport endpoint. See the module docstring."""
 
     def __init__(
@@ -208,6 +220,7 @@ class NixlTransport:
             ),
             one_sided_reads=True,
             thread_affinity=ThreadAffinity.OWNER,
+            writes=True,
         )
         self._layout: BlockLayout | None = None
         self._local_ids: DescriptorIds | None = None
@@ -423,17 +436,19 @@ class NixlTransport:
         self._local_ids = DescriptorIds(layout)
         self._metadata = None  # the agent metadata now carries the memory keys
 
-    def read_blocks(
+    def _transfer(
         self,
         peer: PeerId,
         *,
         local_blocks: Sequence[int],
         remote_blocks: Sequence[int],
-        local_slice: BlockSlice = BlockSlice.FULL,
-        remote_slice: BlockSlice = BlockSlice.FULL,
-        notify: bytes | None = None,
+        local_slice: BlockSlice,
+        remote_slice: BlockSlice,
+        notify: bytes | None,
+        write: bool,
     ) -> ReadId:
-        """One READ of ``remote_blocks`` of every region into ``local_blocks``; see the protocol."""
+        """One READ (or WRITE) of the given blocks of every region; see the module docstring
+        for why a write's notify follows its data."""
         if self._closed or threading.get_ident() != self._owner:
             self._check()  # raises: closed, or not the owner thread (written out, as in poll)
         check_notify(notify, self._max)
@@ -445,9 +460,9 @@ class NixlTransport:
             # Full prefix hit: nothing to move, only tell the holder (spec/vllm-api.md §9.3).
             if notify is not None:
                 self._send(state, bytes(notify))
-            read_id = self._new_read_id()
-            self._events.append(ReadCompleted(read_id=read_id))
-            self._stats.reads_completed += 1
+            read_id = self._new_read_id(write)
+            self._reads[read_id] = _Read(peer=peer, handle=None, write=write)
+            self._finish_read(read_id, failed=None)
             return read_id
         route = state.routes.get((local_slice, remote_slice))
         if route is None:
@@ -459,7 +474,7 @@ class NixlTransport:
             raise MemoryNotRegistered(str(exc)) from exc
         try:
             handle = self._agent.make_prepped_xfer(
-                "READ",
+                "WRITE" if write else "READ",
                 route.local_dlist,
                 local_ids,
                 route.remote_dlist,
@@ -471,8 +486,8 @@ class NixlTransport:
             raise PeerUnreachable(f"peer {peer}: {_describe(exc)}") from exc
         except self._api.error_types as exc:
             raise MemoryNotRegistered(f"NIXL refused the read: {_describe(exc)}") from exc
-        read_id = self._new_read_id()
-        self._reads[read_id] = _Read(peer=peer, handle=handle)
+        read_id = self._new_read_id(write)
+        self._reads[read_id] = _Read(peer=peer, handle=handle, write=write)
         try:
             posted = self._agent.transfer(handle)
         except self._api.disconnect_error as exc:
@@ -544,10 +559,13 @@ class NixlTransport:
         if self._closed:
             raise TransportClosed(f"NixlTransport {self._name} is closed")
 
-    def _new_read_id(self) -> ReadId:
+    def _new_read_id(self, write: bool) -> ReadId:
         read_id = self._next_read
         self._next_read += 1
-        self._stats.reads_started += 1
+        if write:
+            self._stats.writes_started += 1
+        else:
+            self._stats.reads_started += 1
         return read_id
 
     def _peer(self, peer: PeerId) -> _Peer:
@@ -590,17 +608,14 @@ class NixlTransport:
         read = self._reads.pop(read_id)
         # Releasing an active transfer asks NIXL to cancel it; it may refuse. _quiet's
         # suppression written out: this runs once every read, and contextlib.suppress
-        # is a context manager's two calls.
-        try:  # noqa: SIM105 (see above)
-            self._agent.release_xfer_handle(read.handle)
+        # is a context manager's two calls. (No handle: a zero-block transfer.)
+        try:
+            if read.handle is not None:
+                self._agent.release_xfer_handle(read.handle)
         except Exception:  # NIXL logs its own error; the read's outcome stands
             pass
-        if failed is None:
-            self._stats.reads_completed += 1
-            self._events.append(ReadCompleted(read_id=read_id))
-        else:
-            self._stats.reads_failed += 1
-            self._events.append(ReadFailed(read_id=read_id, reason=failed))
+        count(self._stats, write=read.write, failed=failed)
+        self._events.append(outcome(read_id, write=read.write, failed=failed))
 
     def _check_reads(self) -> None:
         # Its callers (poll, progress) call it only with reads in flight.

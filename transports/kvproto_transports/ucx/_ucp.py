@@ -104,6 +104,10 @@ def _declare(lib: Any) -> None:
             [_vp, _vp, ctypes.c_size_t, ctypes.c_uint64, _vp, ctypes.POINTER(_RequestParam)],
             ctypes.c_size_t,
         ),
+        "ucp_put_nbx": (
+            [_vp, _vp, ctypes.c_size_t, ctypes.c_uint64, _vp, ctypes.POINTER(_RequestParam)],
+            ctypes.c_size_t,
+        ),
         "ucp_ep_flush_nbx": ([_vp, ctypes.POINTER(_RequestParam)], ctypes.c_size_t),
         "ucp_request_check_status": ([_vp], _status),
         "ucp_request_cancel": ([_vp, _vp], None),
@@ -192,6 +196,13 @@ class Ucp:
         """Start reading ``length`` bytes at remote ``remote`` into local ``local``."""
         return self._started(
             self._lib.ucp_get_nbx(ep, local, length, remote, rkey, ctypes.byref(self._no_params))
+        )
+
+    def put(self, ep: int, local: int, length: int, remote: int, rkey: int) -> Started:
+        """Start writing ``length`` bytes at local ``local`` to remote ``remote`` (completion is
+        local: flush the endpoint for remote completion)."""
+        return self._started(
+            self._lib.ucp_put_nbx(ep, local, length, remote, rkey, ctypes.byref(self._no_params))
         )
 
     def flush(self, ep: int) -> Started:

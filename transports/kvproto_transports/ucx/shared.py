@@ -46,6 +46,14 @@ class UcxStats:
     """``ReadFailed`` reported."""
     gets_issued: int = 0
     """UCP ``get`` operations (after merging contiguous segments)."""
+    writes_started: int = 0
+    """Writes issued (push mode; zero-block writes included)."""
+    writes_completed: int = 0
+    """``WriteCompleted`` reported."""
+    writes_failed: int = 0
+    """``WriteFailed`` reported."""
+    puts_issued: int = 0
+    """UCP ``put`` operations (after merging contiguous segments)."""
     peers_lost: int = 0
     """``PeerLost`` reported."""
 
@@ -144,7 +152,7 @@ class Send(msgspec.Struct, frozen=True, kw_only=True):
 
 @dataclass(slots=True)
 class ReadOp:
-    """A read: validated segments, then UCP requests in flight."""
+    """A read (or a write): validated segments, then UCP requests in flight."""
 
     read_id: ReadId
     peer: PeerId
@@ -155,7 +163,11 @@ class ReadOp:
     failed: str | None = None
     """Why the read will end in ReadFailed (set at the first error)."""
     fail_by: float = 0.0
-    """Engine clock: report the failure by then even if UCX has not released every request."""
+    """Engine clock: report the failure by then even if UCX has not released every request
+    (a read only: a write is reported failed once UCX released every request of it)."""
+    write: bool = False
+    """A WRITE (push mode): ``put`` per segment, then an endpoint flush (remote completion),
+    then the notify."""
 
 
 class Read(msgspec.Struct, frozen=True, kw_only=True):

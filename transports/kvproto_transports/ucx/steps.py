@@ -35,6 +35,13 @@ wired-up endpoint: unpacking earlier crashed on the second ``get``), then one
 ``ucp_get_nbx`` per merged segment; when all finished, the notify goes out on
 the same endpoint, so the holder sees it only after the data is in the
 reader's memory.
+
+Writes (push mode): one ``ucp_put_nbx`` per merged segment, then
+``ucp_ep_flush_nbx``, which completes only once every earlier operation of the
+endpoint is complete at the peer; when the flush completed the notify goes out on
+the same endpoint and the write is reported complete. A write is reported failed
+only once UCX released every request of it (no grace, unlike a read: a put still
+in flight could land after the holder learnt of the failure).
 """
 
 from __future__ import annotations
@@ -47,8 +54,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvproto.transport import PeerId, PeerLost, ReadCompleted, ReadFailed, Received
+from kvproto.transport import PeerId, PeerLost, Received
 
+from ..transfers import count, outcome
 from ._ucp import UCS_INPROGRESS, UCS_OK, Ucp, UcpError, load_ucp
 from ._ucxx import load_ucxx
 from .errors import RegistrationError
@@ -564,7 +572,10 @@ class Steps:
     # --- reads ---------------------------------------------------------------------
 
     def _start_read(self, op: ReadOp) -> None:
-        self._stats.reads_started += 1
+        if op.write:
+            self._stats.writes_started += 1
+        else:
+            self._stats.reads_started += 1
         conn = self._conns.get(op.peer)
         if conn is None:
             self._finish_read(op, failed=f"peer {op.peer} is not connected")
@@ -586,21 +597,32 @@ class Steps:
             return
         handle = int(conn.ep.handle)
         issued = 0
+        move, what = (self._ucp.put, "put") if op.write else (self._ucp.get, "get")
         try:
             for seg in op.segments:
-                started = self._ucp.get(
+                started = move(
                     handle, seg.local_addr, seg.length, seg.remote_addr, conn.rkeys[seg.region]
                 )
                 issued += 1
                 if started.request:
                     op.requests.append(started.request)
                 elif started.status != UCS_OK:
-                    self._fail_op(op, f"get: {self._ucp.status_text(started.status)}")
+                    self._fail_op(op, f"{what}: {self._ucp.status_text(started.status)}")
                     return
+            if op.write:
+                # Remote completion: the flush ends once every put landed at the peer.
+                started = self._ucp.flush(handle)
+                if started.request:
+                    op.requests.append(started.request)
+                elif started.status != UCS_OK:
+                    self._fail_op(op, f"flush: {self._ucp.status_text(started.status)}")
         finally:
-            # Counted once for the whole read (a scattered 64-block read of 8
+            # Counted once for the whole transfer (a scattered 64-block read of 8
             # regions is 512 gets), and also when one failed or raised midway.
-            self._stats.gets_issued += issued
+            if op.write:
+                self._stats.puts_issued += issued
+            else:
+                self._stats.gets_issued += issued
 
     def _fail_op(self, op: ReadOp, reason: str) -> None:
         if op.failed is None:
@@ -618,9 +640,12 @@ class Steps:
                     continue
                 self._ucp.free(req)
                 if status != UCS_OK:
-                    self._fail_op(op, f"get: {self._ucp.status_text(status)}")
+                    what = "put" if op.write else "get"
+                    self._fail_op(op, f"{what}: {self._ucp.status_text(status)}")
             op.requests = still
-            if still and not (op.failed is not None and now > op.fail_by):
+            # A failed read is reported after a grace even with requests left (cancelled
+            # here); a write only once UCX released them all (see the module docstring).
+            if still and (op.write or not (op.failed is not None and now > op.fail_by)):
                 continue
             for req in still:  # overdue after a failure: cancel, UCX frees them later
                 self._ucp.cancel(self._worker.handle, req)
@@ -635,12 +660,8 @@ class Steps:
             self._finish_read(op, failed=op.failed)
 
     def _finish_read(self, op: ReadOp, *, failed: str | None) -> None:
-        if failed is None:
-            self._stats.reads_completed += 1
-            self._shared.events.append(ReadCompleted(read_id=op.read_id))
-        else:
-            self._stats.reads_failed += 1
-            self._shared.events.append(ReadFailed(read_id=op.read_id, reason=failed))
+        count(self._stats, write=op.write, failed=failed)
+        self._shared.events.append(outcome(op.read_id, write=op.write, failed=failed))
 
     # --- teardown ----------------------------------------------------------------------
 

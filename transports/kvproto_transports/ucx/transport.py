@@ -10,6 +10,8 @@ timeout.
 
 * Notifications are UCP tagged messages; payloads are delivered byte-exact.
   A payload over ``max_notification_size`` raises :class:`FrameTooLarge`.
+* Writes (push mode) are UCP ``put`` operations followed by an endpoint flush
+  (remote completion), then the notify: see :mod:`.engine`.
 * Reads are UCP RMA ``get`` operations on the peer's registered memory (one
   per merged segment); the attached notify is sent after every ``get``
   completed, i.e. after the data is in local memory. Over TCP, UCX serves a
@@ -47,6 +49,7 @@ from kvproto.transport import (
 )
 
 from ..read_args import check_notify
+from ..transfers import Transfers
 from .engine import DEFAULT_UCX_OPTIONS, Engine, EngineConfig
 from .errors import Backpressure, RegistrationError
 from .plan import plan_read
@@ -93,7 +96,7 @@ class _Peer:
     layout: BlockLayout | None
 
 
-class UcxTransport:
+class UcxTransport(Transfers):
     """One UCX endpoint (context, worker, listener) as a kvproto transport endpoint."""
 
     def __init__(
@@ -159,6 +162,7 @@ class UcxTransport:
                 FAILURE_DETECTION_BOUND_S if probe_interval_s is not None else None
             ),
             one_sided_reads=True,
+            writes=True,
             thread_affinity=ThreadAffinity.ANY,
         )
         self._peers: dict[PeerId, _Peer] = {}
@@ -335,23 +339,24 @@ class UcxTransport:
             self._layout = layout
             self._metadata = None
 
-    def read_blocks(
+    def _transfer(
         self,
         peer: PeerId,
         *,
         local_blocks: Sequence[int],
         remote_blocks: Sequence[int],
-        local_slice: BlockSlice = BlockSlice.FULL,
-        remote_slice: BlockSlice = BlockSlice.FULL,
-        notify: bytes | None = None,
+        local_slice: BlockSlice,
+        remote_slice: BlockSlice,
+        notify: bytes | None,
+        write: bool,
     ) -> ReadId:
-        """Read ``remote_blocks`` of every region of ``peer`` into ``local_blocks``.
+        """One read (``get``) or write (``put`` + flush) of the given blocks of every region.
 
-        Checks everything before anything moves (a ``get`` outside the
-        holder's registered memory can crash the holder): raises
-        :class:`UnknownPeer`, :class:`PeerUnreachable`,
-        :class:`MemoryNotRegistered`, :class:`~.errors.LayoutMismatch` or
-        :class:`FrameTooLarge`. The outcome arrives through ``poll``.
+        Checks everything before anything moves (a ``get`` outside the holder's
+        registered memory can crash the holder, a ``put`` would corrupt it): raises
+        :class:`UnknownPeer`, :class:`PeerUnreachable`, :class:`MemoryNotRegistered`,
+        :class:`~.errors.LayoutMismatch` or :class:`FrameTooLarge`. The outcome arrives
+        through ``poll``.
         """
         note = None if notify is None else bytes(notify)
         with self._lock:
@@ -380,7 +385,7 @@ class UcxTransport:
                 segments = []
             read_id = self._next_read
             self._next_read += 1
-            op = ReadOp(read_id=read_id, peer=peer, segments=segments, notify=note)
+            op = ReadOp(read_id=read_id, peer=peer, segments=segments, notify=note, write=write)
             self._engine.submit(Read(op=op))
             return read_id
 
