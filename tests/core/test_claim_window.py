@@ -66,7 +66,7 @@ def test_a_first_claim_after_the_window_fails_the_request_without_a_read() -> No
     ticket's lease is surely over by its own clock (tracked + 5 s, drift included), at
     the next Hello retry; it never had an open session to read on."""
     net = pair(LeaseConfig(claim_window=WINDOW))
-    net.default_faults = LinkFaults(latency=0.15)
+    net.links.default = LinkFaults(delay=0.15)
     ticket = net.grant("P0", "p-r")
     net.run_until(4.9)
     net.track("D0", "r", ticket)
@@ -86,7 +86,7 @@ def test_a_claim_after_the_window_on_an_open_session_is_answered_lost() -> None:
     net.run_until(1.0)
     ticket = net.grant("P0", "p-r")  # due at 6
     net.run_until(5.9)
-    net.default_faults = LinkFaults(latency=0.2)
+    net.links.default = LinkFaults(delay=0.2)
     net.track("D0", "r", ticket)  # claim leaves at 5.9, arrives at 6.1: too late
     net.run_until(10.0)
     assert (6.0, ticket.lease, "EXPIRED") in net.freed_leases()

@@ -24,7 +24,8 @@ from kvproto.states import LeaseState, ReadState, WriteState
 from .net import LinkFaults
 from .pushnet import PushNet
 
-DURATION = LeaseConfig().kv_lease_duration
+WINDOW = LeaseConfig().grant_ttl
+"""How long a grant lives unclaimed (the claim window: the extension, 20 s at a 30 s lease)."""
 
 
 def pair(**link: float) -> PushNet:
@@ -33,7 +34,7 @@ def pair(**link: float) -> PushNet:
     net.add_holder("D0", engine="D")
     net.add_reader("P0", engine="P")
     if link:
-        net.default_faults = LinkFaults(**link)
+        net.links.default = LinkFaults(**link)
     return net
 
 
@@ -78,7 +79,7 @@ def test_write_on_an_acknowledged_claim_fills_the_blocks_at_the_done() -> None:
 
 
 def test_the_write_waits_for_the_arms_round_trip() -> None:
-    net = pair(latency=0.1)
+    net = pair(delay=0.1)
     lease = claimed_at_latency(net)
     writer = net.reader("P0")
     deferred = writer.begin_write(net.local("P0"), "r1")
@@ -93,8 +94,9 @@ def test_the_write_waits_for_the_arms_round_trip() -> None:
     assert writer.begin_write(1.15, "r1") == deferred  # the ArmAck lands at 1.2
     net.run_until(1.25)
     assert writer.state("r1") == {0: ReadState.ARMED}
-    # The ArmAck's bound: sent 1.0, the lease had 30 - 1.1 left at D: 1.0 + 28.9 less drift.
-    assert writer.deadline_bound(1.25, "r1") == pytest.approx(1.0 + 28.9 * (1 - 500e-6))
+    # The ArmAck's bound: sent 1.0, the lease had 20.3 - 1.1 left at D (the grant's claim
+    # window, renewed by the claim at 0.3 to 0.3 + e): 1.0 + 19.2 less drift.
+    assert writer.deadline_bound(1.25, "r1") == pytest.approx(1.0 + 19.2 * (1 - 500e-6))
     go = writer.begin_write(1.25, "r1")
     assert isinstance(go, ReadGo) and writer.state("r1") == {0: ReadState.READING}
 
@@ -109,7 +111,7 @@ def claimed_at_latency(net: PushNet) -> int:
 
 
 def test_an_unanswered_arm_is_resent_then_declined() -> None:
-    net = pair(latency=0.1)
+    net = pair(delay=0.1)
     lease = claimed_at_latency(net)
     arms: list[float] = []
 
@@ -151,7 +153,7 @@ def test_an_arm_of_an_ended_lease_is_refused_and_fails_the_write() -> None:
 
 
 def test_no_write_before_the_claim_is_acknowledged() -> None:
-    net = pair(latency=0.1)
+    net = pair(delay=0.1)
     ticket = net.grant_writable("D0", "d-r1")
     net.track_writer("P0", "r1", ticket)
     net.run_until(0.1)  # the Hello reached D; the Welcome is on its way back
@@ -178,18 +180,19 @@ def test_begin_write_is_refused_for_a_request_tracked_to_read() -> None:
 def test_write_declined_when_the_bound_is_within_the_margin() -> None:
     net = pair()
     lease = claimed(net)
-    # P's heartbeats stop reaching D: the ack of the claim (sent at 0, 30 s left) is the
-    # last word, so the bound is 30 s less drift; at 25.0 it is within the 5 s margin.
+    # P's heartbeats stop reaching D: the ack of the claim (sent at 0, 20 s left: the claim
+    # window, renewed to 0 + e) is the last word, so the bound is 20 s less drift; at 15.0
+    # it is within the 5 s margin.
     net.frame_filter = lambda src, dst, payload: not (src == "P0" and net.now > 0.0)
-    net.run_until(25.0)
+    net.run_until(15.0)
     declined = net.start_write("P0", "r1", duration=0.5)
     assert declined == ReadDeclined(reason=FailReason.DEADLINE_TOO_CLOSE)
-    assert net.failures("P0") == [(25.0, "r1", "DEADLINE_TOO_CLOSE")]
+    assert net.failures("P0") == [(15.0, "r1", "DEADLINE_TOO_CLOSE")]
     assert net.writes == []
     net.run_until(40.0)
     # Nothing was armed (the bound was checked before any Arm) and P's abort was lost
     # with its other frames: D expires the lease at its own deadline and frees it then.
-    assert net.freed_leases() == [(30.0, lease, "EXPIRED")]
+    assert net.freed_leases() == [(20.0, lease, "EXPIRED")]
     assert net.fenced_leases() == []
 
 
@@ -202,10 +205,10 @@ def test_slow_write_past_the_deadline_is_quarantined_until_its_done_lands() -> N
     # P's heartbeats stop reaching D from here on (the write's done is not a heartbeat).
     net.frame_filter = lambda src, dst, payload: src != "P0"
     net.run_until(60.0)
-    # The lease lives until max(own 30, session 0 + 20) = 30, then ends with the writer
-    # armed: fenced at 30, not freed; the late done lands at 41 (answered LATE) and
+    # The lease lives until max(own 20, session 0 + 20) = 20, then ends with the writer
+    # armed: fenced at 20, not freed; the late done lands at 41 (answered LATE) and
     # disarms P: freed at 41 with the reason it ended for.
-    assert net.fenced_leases() == [(30.0, lease, "EXPIRED")]
+    assert net.fenced_leases() == [(20.0, lease, "EXPIRED")]
     assert net.freed_leases() == [(41.0, lease, "EXPIRED")]
     assert net.holder("D0").lease_state(lease) is LeaseState.EXPIRED
     assert net.holder("D0").stats.write_fenced == 1
@@ -306,7 +309,7 @@ def test_silent_crash_before_claiming_frees_at_the_deadline() -> None:
     net.crash("P0")
     net.track_writer("P0", "r1", ticket)  # nothing it sends leaves
     net.run_until(100.0)
-    assert net.freed_leases() == [(DURATION, ticket.lease, "EXPIRED")]
+    assert net.freed_leases() == [(WINDOW, ticket.lease, "EXPIRED")]
     assert net.fenced_leases() == []
 
 
@@ -336,7 +339,7 @@ def test_silent_crash_after_arming_quarantines_until_the_loss_is_reported() -> N
     net.run_until(1000.0)
     # Armed and silent: ended at the deadline but not freed, however long; no timer can
     # tell a dead writer from a paused one.
-    assert net.fenced_leases() == [(DURATION, lease, "EXPIRED")]
+    assert net.fenced_leases() == [(20.0, lease, "EXPIRED")]  # claimed at 0: 0 + e
     assert net.freed_leases() == []
     assert net.holder("D0").stats_snapshot()["leases_quarantined"] == 1
     net.holder("D0").peer_lost(net.local("D0"), "P0")
@@ -356,7 +359,7 @@ def test_a_quarantined_lease_is_not_forgotten_and_its_tombstone_starts_at_the_fr
     net.frame_filter = lambda src, dst, payload: src != "P0"
     net.run_until(300.0)
     holder = net.holder("D0")
-    # Ended at 30; its done at 201 still finds it (answered LATE, not unknown).
+    # Ended at 20; its done at 201 still finds it (answered LATE, not unknown).
     assert net.freed_leases() == [(201.0, lease, "EXPIRED")]
     assert holder.stats.late_done == 1 and holder.stats.unknown_lease == 0
     assert holder.lease_state(lease) is None  # forgotten at 201 + 10
@@ -375,9 +378,9 @@ def test_two_writer_ranks_one_slow_keeps_the_quarantine_until_its_done() -> None
     net.start_write("P1", "r1", duration=40.0)  # lands at 41
     net.frame_filter = lambda src, dst, payload: src not in ("P0", "P1")
     net.run_until(60.0)
-    # Rank 0's done at 1.5 counts (1 of 2) and disarms rank 0; the lease ends at 30
+    # Rank 0's done at 1.5 counts (1 of 2) and disarms rank 0; the lease ends at 20
     # with rank 1 armed, and is freed at rank 1's late done.
-    assert net.fenced_leases() == [(30.0, ticket.lease, "EXPIRED")]
+    assert net.fenced_leases() == [(20.0, ticket.lease, "EXPIRED")]
     assert net.freed_leases() == [(41.0, ticket.lease, "EXPIRED")]
     net.check_write_fence()
 
@@ -403,8 +406,8 @@ def test_a_new_incarnation_under_the_writers_name_does_not_disarm_it() -> None:
     net.run_until(60.0)
     # The real write lands at 51: P's done finds no session of P under that name now
     # (the impostor's), so it does not disarm; the transport's word on the peer does.
-    # (The decoy, never claimed, expired on its own at 2 + 30.)
-    assert net.freed_leases() == [(32.0, decoy.lease, "EXPIRED")]
+    # (The decoy, never claimed, expired on its own at 2 + the claim window.)
+    assert net.freed_leases() == [(2.0 + WINDOW, decoy.lease, "EXPIRED")]
     holder.peer_lost(net.local("D0"), "P0")
     net.collect()
     assert net.freed_leases()[1:] == [(60.0, lease, "PEER_LOST")]

@@ -49,9 +49,11 @@ def plans(draw: st.DrawFn) -> Plan:
         writers=draw(st.sampled_from([1, 2])),
         faults=LinkFaults(
             drop=draw(st.sampled_from([0.0, 0.1, 0.3])),
-            dup=draw(st.sampled_from([0.0, 0.2])),
+            duplicate=draw(st.sampled_from([0.0, 0.2])),
+            reorder=draw(st.sampled_from([0.0, 0.2])),
+            reorder_window=draw(st.sampled_from([0.001, 0.5, 3.0])),
             jitter=draw(st.sampled_from([0.0, 0.5, 3.0])),
-            latency=draw(st.sampled_from([0.0, 0.01, 0.2])),
+            delay=draw(st.sampled_from([0.0, 0.01, 0.2])),
         ),
         track_at=draw(st.floats(min_value=0.0, max_value=10.0, allow_nan=False)),
         write_at=draw(times),
@@ -66,7 +68,7 @@ def plans(draw: st.DrawFn) -> Plan:
 
 def _run(plan: Plan, seed: int) -> tuple[PushNet, int]:
     net = PushNet(seed=seed)
-    net.default_faults = plan.faults
+    net.links.default = plan.faults
     net.add_holder("D0", engine="D")
     writers = [f"P{r}" for r in range(plan.writers)]
     for rank, name in enumerate(writers):
