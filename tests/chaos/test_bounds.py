@@ -28,6 +28,8 @@ def test_peer_lost_is_the_probe_the_slack_a_pump_gap_and_a_scrape() -> None:
     assert peer_lost_s(TERMS) == pytest.approx(
         DEFAULT_PROBE_INTERVAL_S + PROBE_DETECTION_SLACK_S + 0.4 + 0.3
     )
+    exiting = Terms(pump_gap_s=0.4, scrape_s=0.3, exit_s=0.2)
+    assert peer_lost_s(exiting) == pytest.approx(peer_lost_s(TERMS) + 0.2)
 
 
 def test_settle_is_the_lease_plus_tcp_s_wait_after_a_cut() -> None:

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ from examples.pd_cpu.client import metrics
 from examples.pd_cpu.cluster import (
     Deployment,
     ModelSpec,
+    Proc,
     baseline_spec,
     default_layout,
     free_port,
@@ -132,18 +135,50 @@ SCRAPE_S = 0.1
 """One metrics scrape of an engine plus wait_for's poll."""
 
 
-def wait_lost_freed(p_url: str, timeout_s: float = 5.0) -> tuple[float, float]:
-    """(seconds until P's held-lease gauge reads 0, the bound it had to meet).
+def wait_lost_freed(p_url: str, killed: Proc, timeout_s: float = 5.0) -> LostFreed:
+    """How long after ``killed``'s kill -9 P's held-lease gauge read 0, and the bound.
 
-    After a decoder's kill -9 the bound is what the parts promise: the worker probes
-    its peers every ``probe_interval_s``, NIXL reports the send's failure within its
-    slack, and P sees it only inside a pump, once or twice per engine step, so the
-    longest gap between P's pumps meanwhile (its own gauge; a prefill batch's step
-    lasts up to a second on these 2 cores) adds to it, and one scrape."""
+    The bound is what the parts promise, counted from the moment the killed tree is
+    gone: the kernel closes a process's sockets only once it has torn the process
+    down (a decoder's ~3 GiB and its threads, which on 2 loaded cores took up to
+    ~0.2 s), and before that no peer can tell it from a live one. After it the
+    worker probes its peers every ``probe_interval_s``, NIXL reports the send's
+    failure within its slack, and P sees it only inside a pump, once or twice per
+    engine step, so the longest gap between P's pumps meanwhile (its own gauge; a
+    prefill batch's step lasts up to a second on these 2 cores) adds to it, and one
+    scrape."""
     from kvproto_tools.chaos.bounds import Terms, peer_lost_s
 
+    start = time.monotonic()
+    exited: list[float] = []
+
+    def watch() -> None:
+        while killed.tree() and time.monotonic() - start < timeout_s:
+            time.sleep(0.01)
+        exited.append(time.monotonic() - start)
+
+    watcher = threading.Thread(target=watch, name="exit-watch", daemon=True)
+    watcher.start()
     took, gap = wait_p_gauges_zero(p_url, ("leases_held",), timeout_s)
-    return took, peer_lost_s(Terms(pump_gap_s=gap, scrape_s=SCRAPE_S))
+    watcher.join(timeout_s)
+    exit_s = exited[0] if exited else timeout_s
+    return LostFreed(
+        freed_s=took,
+        exit_s=exit_s,
+        bound_s=peer_lost_s(Terms(pump_gap_s=gap, scrape_s=SCRAPE_S, exit_s=exit_s)),
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LostFreed:
+    """What :func:`wait_lost_freed` measured, in seconds from the kill."""
+
+    freed_s: float
+    """Until P's held-lease gauge read 0."""
+    exit_s: float
+    """Until every process of the killed tree had exited (its sockets closed)."""
+    bound_s: float
+    """What ``freed_s`` had to meet: ``exit_s`` plus the detection parts."""
 
 
 def wait_p_gauges_zero(

@@ -515,7 +515,7 @@ def test_decode_killed_mid_burst_frees_its_leases_at_once(
         occupied_at_kill = _running(pd.decode_spec.url)
         killed_at = time.monotonic()
         pd.procs["decode-0"].kill(wait=False)
-        held_free_s, free_bound_s = wait_lost_freed(pd.prefill_specs[0].url)
+        lost = wait_lost_freed(pd.prefill_specs[0].url, pd.procs["decode-0"])
         pd.procs["decode-0"].wait_gone()
         answered, failed = _outcomes(baseline, burst, KILL_TOKENS)
     # Leases D never claimed (it died first, or the router never reached it) are
@@ -528,7 +528,7 @@ def test_decode_killed_mid_burst_frees_its_leases_at_once(
         for reason in ("released_done", "peer_lost", "expired", "aborted")
     }
     assert sum(ended.values()) == granted  # every lease ended exactly once
-    assert held_free_s <= free_bound_s, (held_free_s, free_bound_s)
+    assert lost.freed_s <= lost.bound_s, lost
     assert answered + failed == 16
     log = p_log.read_text(errors="replace")[log_offset:]
     # The set-up held: the local work still had D's slots, so the burst was queued, not served.
@@ -545,7 +545,8 @@ def test_decode_killed_mid_burst_frees_its_leases_at_once(
         f"held: {answered} answered "
         f"(= baseline), {failed} failed; P leases: {granted:.0f} granted, "
         + ", ".join(f"{k} {v:.0f}" for k, v in ended.items())
-        + f"; held gauge 0 in {held_free_s:.2f} s after the kill (bound {free_bound_s:.2f} s), "
+        + f"; held gauge 0 in {lost.freed_s:.2f} s after the kill (bound {lost.bound_s:.2f} s: "
+        f"the tree exited in {lost.exit_s:.2f} s), "
         f"all freed in "
         f"{time.monotonic() - killed_at:.1f} s ({all_free_s:.1f} s after the burst)"
     )
