@@ -97,6 +97,49 @@ class Request(msgspec.Struct, gc=False):
         return part is not None and part.claimed_seq < math.inf
 
 
+def find_part(
+    requests: Mapping[str, Request], session: Session, lease: int
+) -> tuple[Request | None, Part | None]:
+    """The request a holder's frame naming ``lease`` is about, and its part towards
+    ``session``'s holder rank (None: no tracked request reads it)."""
+    rid = session.by_lease.get(lease)
+    req = None if rid is None else requests.get(rid)
+    return req, None if req is None else req.parts.get(session.rank)
+
+
+def check_route(
+    sessions: tuple[Session, ...], ticket: LeaseTicket, now: float
+) -> tuple[dict[int, Part], FailReason | None, list[Session] | None]:
+    """A tracked ticket's parts, one per session of its route, and what those sessions
+    say of it: the problem the request fails with (None: none), and the sessions whose
+    holder it may have outlived (None: none), on which it waits for their next Welcome.
+
+    One pass makes the parts and checks the ticket against every session; the checks
+    only read, so the first problem found is the one the request fails with.
+    """
+    parts = {}
+    problem: FailReason | None = None
+    restarted: list[Session] | None = None  # None, not []: a track rarely meets one
+    for session in sessions:
+        parts[session.rank] = Part(session.rank)
+        incarnation = session.incarnation
+        if incarnation is None or problem is not None:
+            continue  # not welcomed yet: nothing to check against (no clock sample either)
+        if incarnation != ticket.holder_incarnation:
+            if ticket.holder_incarnation in session.stale_incarnations:
+                problem = FailReason.HOLDER_RESTARTED
+            # A ticket from an incarnation this session has not met: the holder
+            # probably restarted (then every later ticket is of the new one). Say
+            # Hello again; the Welcome tells which requests hold dead tickets.
+            elif restarted is None:
+                restarted = [session]
+            else:
+                restarted.append(session)
+        elif session.skew.known and bounds.ticket_bound(session.skew, ticket, now) <= now:
+            problem = FailReason.BAD_TICKET
+    return parts, problem, restarted
+
+
 # ------------------------------------------------------------ bounds
 
 
@@ -126,6 +169,31 @@ def in_sync_bound(req: Request, part: Part, session: Session, now: float, drift:
         ticket=req.ticket,
         now=now,
     )
+
+
+def release(
+    requests: Mapping[str, Request],
+    session: Session,
+    lease: int,
+    request_id: str,
+    *,
+    now: float,
+    drift: float,
+) -> bool:
+    """Stop heartbeating ``lease`` on ``session`` for ``request_id``; False if the session's
+    set does not name that request for it (not held, or another incarnation's request)."""
+    beats = session.beats
+    if beats.leases.owner(lease) != request_id:
+        return False
+    req = requests.get(request_id)
+    part = None if req is None else req.parts.get(session.rank)
+    if req is not None and part is not None:
+        # Later in-sync heartbeats no longer cover this lease: keep what the
+        # earlier ones proved, and stop deriving anything new from them.
+        in_sync = in_sync_bound(req, part, session, now, drift)
+        part.lower_bound = max(part.lower_bound, in_sync)
+    beats.release(lease)
+    return True
 
 
 def deadline_bound(req: Request, part: Part, session: Session, now: float, drift: float) -> float:
