@@ -70,7 +70,7 @@ class ReaderCounters:
     """Reads the transport refused synchronously (layout mismatch...)."""
 
 
-class ReaderSide:
+class ReaderWorker:
     """The reader half of one worker rank."""
 
     def __init__(
