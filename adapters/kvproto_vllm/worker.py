@@ -1,4 +1,4 @@
-"""The worker-side connector: one transport, one binding Endpoint, the lease cores.
+"""The worker-side connector: one transport, one ``kvproto_binding.Binding``, the lease cores.
 
 Lifecycle (vLLM calls, all on the worker's execution thread, never concurrently):
 
@@ -15,7 +15,7 @@ Lifecycle (vLLM calls, all on the worker's execution thread, never concurrently)
   (unless the worker is idle: :meth:`WorkerSide._idle`);
   ``get_transfer_results`` reports, and pumps again first while a transfer
   may be under way (:meth:`WorkerSide._transfers_pending`). A pump = add
-  introduced readers, apply finished handshakes, :meth:`Endpoint.step` (poll
+  introduced readers, apply finished handshakes, :meth:`Binding.step` (poll
   the transport, feed the cores, run their timers, send their frames), issue
   reads that became possible.
 
@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 from kvproto.reader import Reader
 from kvproto.stats import counts_of
 from kvproto.transport import Transport, TransportError
-from kvproto_binding.endpoint import Endpoint
+from kvproto_binding.step import Binding
 
 from .block_parts import CannotRegroup, PagedRegions, paged_regions, region_heads
 from .compat import (
@@ -141,7 +141,7 @@ class WorkerSide:
         self._enter_thread: Callable[[], None] = _nothing
         """The chosen transport's per-call thread hook (NIXL's owner-thread rule)."""
         self.server: SideChannelServer | None = None
-        self.endpoint: Endpoint | None = None
+        self.binding: Binding | None = None
         self.holder_worker: HolderWorker | None = None
         self.reader_worker: ReaderWorker | None = None
         self.events: deque[tuple[float, str, str, str]] = deque(maxlen=_EVENTS_KEPT)
@@ -250,7 +250,7 @@ class WorkerSide:
             )
             self._client = client
             if not self.holds:
-                self._make_endpoint()
+                self._make_binding()
 
     def _pages(self, registered: KvLayout) -> PagedRegions | str:
         """The registered regions as pages (reads into blocks larger than the holder's
@@ -272,13 +272,13 @@ class WorkerSide:
     def handshake_metadata(self) -> KvprotoHandshakeMetadata:
         return KvprotoHandshakeMetadata(rank=self.rank, stock_payload=self.stock_payload)
 
-    def _make_endpoint(self) -> None:
+    def _make_binding(self) -> None:
         assert self.transport is not None
         holder = self.holder_worker.holder if self.holder_worker is not None else None
         reader = self.reader_worker.reader if self.reader_worker is not None else None
-        self.endpoint = Endpoint(self.transport, holder=holder, reader=reader)
+        self.binding = Binding(self.transport, holder=holder, reader=reader)
         if self.reader_worker is not None:
-            self.reader_worker.endpoint = self.endpoint
+            self.reader_worker.binding = self.binding
 
     # ------------------------------------------------------------ per step
 
@@ -292,8 +292,8 @@ class WorkerSide:
             self._apply(now, meta)
             self._pump(now)  # always: orders may have queued frames (a finish's abort)
             return
-        if meta is not None and self.endpoint is None and meta.incarnation is not None:
-            self._apply(now, meta)  # the first step: the holder and the endpoint
+        if meta is not None and self.binding is None and meta.incarnation is not None:
+            self._apply(now, meta)  # the first step: the holder and the binding
         if self._idle():
             self._last_pump = now  # nothing was due: no heartbeat lag to bound
             self._quiet = True
@@ -304,8 +304,8 @@ class WorkerSide:
         """The scheduler's orders of this step (most steps have none and skip this)."""
         if self.holder_worker is not None and meta.incarnation is not None:
             self.holder_worker.ensure(meta.incarnation)
-            if self.endpoint is None:
-                self._make_endpoint()
+            if self.binding is None:
+                self._make_binding()
             self.holder_worker.adopt(now, meta.grants)
         elif meta.grants and self.holder_worker is not None:
             self.holder_worker.adopt(now, meta.grants)  # refused: freed at once
@@ -375,7 +375,7 @@ class WorkerSide:
                 except TransportError as exc:
                     self.intro_errors += 1
                     log.warning("introduction from %s refused: %s", intro.requester, exc)
-        if self.endpoint is None:
+        if self.binding is None:
             return
         if self.reader_worker is not None:
             self.reader_worker.poll_handshakes(now)
@@ -400,8 +400,8 @@ class WorkerSide:
         return self.reader_worker is None or self.reader_worker.idle()
 
     def _step(self, now: float) -> None:
-        assert self.endpoint is not None
-        result = self.endpoint.step(now)
+        assert self.binding is not None
+        result = self.binding.step(now)
         if not (result.freed or result.failed or result.confirmed or result.connects):
             return  # most steps: nothing for either side
         self._active = True
@@ -447,8 +447,8 @@ class WorkerSide:
             snap.update(self.reader_worker.reader.stats_snapshot("reader_"))
             snap.update(counts_of(self.reader_worker.counters, "reader_"))
             snap["reader_pending_reads"] = self.reader_worker.pending()
-        if self.endpoint is not None:
-            snap.update(counts_of(self.endpoint.stats, "binding_"))
+        if self.binding is not None:
+            snap.update(counts_of(self.binding.stats, "binding_"))
         if self.server is not None:
             snap.update(counts_of(self.server.stats(), "sidechannel_"))
         snap["worker_intro_errors"] = self.intro_errors
