@@ -51,9 +51,9 @@ from kvproto.reader_peers import HolderSessions
 from kvproto.reader_requests import (
     UNKNOWN_WAKE,
     Deferrals,
+    Part,
     Request,
     SessionKey,
-    check_route,
     deadline_bound,
     release,
     renewable,
@@ -204,7 +204,29 @@ class Reader(ReaderEnds, ReaderWrites):
             return
         lease = ticket.lease
         proof = self._prove(ticket.token, lease)
-        parts, problem, restarted = check_route(sessions, ticket, now)
+        # One pass makes the parts and checks the ticket against every session; the
+        # checks only read, so the first problem found is the one the request fails with.
+        # Inline, not a function of reader_requests: track is the per-request hot path.
+        parts = {}
+        problem: FailReason | None = None
+        restarted: list[Session] | None = None  # None, not []: a track rarely meets one
+        for session in sessions:
+            parts[session.rank] = Part(session.rank)
+            incarnation = session.incarnation
+            if incarnation is None or problem is not None:
+                continue  # not welcomed yet: nothing to check against (no clock sample either)
+            if incarnation != ticket.holder_incarnation:
+                if ticket.holder_incarnation in session.stale_incarnations:
+                    problem = FailReason.HOLDER_RESTARTED
+                # A ticket from an incarnation this session has not met: the holder
+                # probably restarted (then every later ticket is of the new one). Say
+                # Hello again; the Welcome tells which requests hold dead tickets.
+                elif restarted is None:
+                    restarted = [session]
+                else:
+                    restarted.append(session)
+            elif session.skew.known and bounds.ticket_bound(session.skew, ticket, now) <= now:
+                problem = FailReason.BAD_TICKET
         req = self._requests[request_id] = Request(
             request_id, ticket, proof, now, parts, writes=writes
         )

@@ -107,39 +107,6 @@ def find_part(
     return req, None if req is None else req.parts.get(session.rank)
 
 
-def check_route(
-    sessions: tuple[Session, ...], ticket: LeaseTicket, now: float
-) -> tuple[dict[int, Part], FailReason | None, list[Session] | None]:
-    """A tracked ticket's parts, one per session of its route, and what those sessions
-    say of it: the problem the request fails with (None: none), and the sessions whose
-    holder it may have outlived (None: none), on which it waits for their next Welcome.
-
-    One pass makes the parts and checks the ticket against every session; the checks
-    only read, so the first problem found is the one the request fails with.
-    """
-    parts = {}
-    problem: FailReason | None = None
-    restarted: list[Session] | None = None  # None, not []: a track rarely meets one
-    for session in sessions:
-        parts[session.rank] = Part(session.rank)
-        incarnation = session.incarnation
-        if incarnation is None or problem is not None:
-            continue  # not welcomed yet: nothing to check against (no clock sample either)
-        if incarnation != ticket.holder_incarnation:
-            if ticket.holder_incarnation in session.stale_incarnations:
-                problem = FailReason.HOLDER_RESTARTED
-            # A ticket from an incarnation this session has not met: the holder
-            # probably restarted (then every later ticket is of the new one). Say
-            # Hello again; the Welcome tells which requests hold dead tickets.
-            elif restarted is None:
-                restarted = [session]
-            else:
-                restarted.append(session)
-        elif session.skew.known and bounds.ticket_bound(session.skew, ticket, now) <= now:
-            problem = FailReason.BAD_TICKET
-    return parts, problem, restarted
-
-
 # ------------------------------------------------------------ bounds
 
 
