@@ -8,7 +8,7 @@ binding must carry out. See spec/README.md for the protocol.
 What an embedder needs is exported here: the two cores and their configuration,
 their outputs and errors, and the :class:`Transport` protocol (with its events,
 errors and the block layout a transport registers) that a transport of one's own
-implements. ``kvproto_binding.Endpoint`` runs the cores over a transport;
+implements. ``kvproto_binding.Binding`` runs the cores over a transport;
 ``kvproto_transports`` has the transports (the in-process loopback among them).
 examples/embed/ runs both.
 """

@@ -97,6 +97,16 @@ class Request(msgspec.Struct, gc=False):
         return part is not None and part.claimed_seq < math.inf
 
 
+def find_part(
+    requests: Mapping[str, Request], session: Session, lease: int
+) -> tuple[Request | None, Part | None]:
+    """The request a holder's frame naming ``lease`` is about, and its part towards
+    ``session``'s holder rank (None: no tracked request reads it)."""
+    rid = session.by_lease.get(lease)
+    req = None if rid is None else requests.get(rid)
+    return req, None if req is None else req.parts.get(session.rank)
+
+
 # ------------------------------------------------------------ bounds
 
 
@@ -126,6 +136,31 @@ def in_sync_bound(req: Request, part: Part, session: Session, now: float, drift:
         ticket=req.ticket,
         now=now,
     )
+
+
+def release(
+    requests: Mapping[str, Request],
+    session: Session,
+    lease: int,
+    request_id: str,
+    *,
+    now: float,
+    drift: float,
+) -> bool:
+    """Stop heartbeating ``lease`` on ``session`` for ``request_id``; False if the session's
+    set does not name that request for it (not held, or another incarnation's request)."""
+    beats = session.beats
+    if beats.leases.owner(lease) != request_id:
+        return False
+    req = requests.get(request_id)
+    part = None if req is None else req.parts.get(session.rank)
+    if req is not None and part is not None:
+        # Later in-sync heartbeats no longer cover this lease: keep what the
+        # earlier ones proved, and stop deriving anything new from them.
+        in_sync = in_sync_bound(req, part, session, now, drift)
+        part.lower_bound = max(part.lower_bound, in_sync)
+    beats.release(lease)
+    return True
 
 
 def deadline_bound(req: Request, part: Part, session: Session, now: float, drift: float) -> float:

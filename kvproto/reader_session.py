@@ -7,7 +7,7 @@ the keys a Welcome proves, the holder incarnations known to be gone, the
 clock-offset estimate and the heartbeat side (:class:`~kvproto.beats.Beats`).
 Its decisions are pure: which ticket anchors the next Hello, whether a
 Welcome is genuine, which requests a Welcome or a silent holder ends.
-:class:`~kvproto.reader_sessions.HolderSessions` acts on the answers (sends
+:class:`~kvproto.reader_peers.HolderSessions` acts on the answers (sends
 frames, sets timers, has the :class:`~kvproto.reader.Reader`, which keeps the
 requests, fail them); this module sees requests only through the
 :class:`Tracked` protocol.
@@ -169,7 +169,7 @@ class Session:
     Welcome says whether it is the holder's (lease ids repeat across incarnations)."""
     by_lease: dict[int, str] = field(default_factory=dict)
     """Lease id → the request whose lease it is, for every session of this holder engine:
-    one dict they share (:class:`~kvproto.reader_sessions.HolderSessions` hands it over),
+    one dict they share (:class:`~kvproto.reader_peers.HolderSessions` hands it over),
     so a frame naming a lease finds its request with no (engine, lease) key to build."""
     fanout: dict[int, Fanout] = field(default_factory=dict)
     """Lease id → the requests reading it, for a lease several requests read (shared by

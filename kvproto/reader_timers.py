@@ -8,7 +8,7 @@ interval on), so in the steady state a tick costs one heap operation and an
 append per session, not a heap operation per session; finding the earliest
 time stays O(1) amortised. It is apart from the reader because it is pure
 bookkeeping of times; what a due session does (heartbeat, re-Hello, nothing)
-is :mod:`kvproto.reader_sessions`' decision. The reader does not ask it on an idle step: it
+is :mod:`kvproto.reader_peers`' decision. The reader does not ask it on an idle step: it
 keeps :meth:`Reader.get_timer`'s last answer until an input comes.
 """
 

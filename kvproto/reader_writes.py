@@ -19,15 +19,15 @@ from kvproto import bounds, wire
 from kvproto.errors import LocalProtocolError
 from kvproto.events import FailReason, ReadDeclined, ReadDeferred, ReadGo, ReadOrder, SendFrame
 from kvproto.reader_dones import done_frame
-from kvproto.reader_requests import UNKNOWN_WAKE, Request
+from kvproto.reader_requests import UNKNOWN_WAKE, Request, find_part
 from kvproto.states import ReadInput, ReadState, SessionState, read_next
 
 if TYPE_CHECKING:
     from kvproto.config import LeaseConfig
     from kvproto.events import ReaderOutput
-    from kvproto.reader_requests import Part, SessionKey
+    from kvproto.reader_peers import HolderSessions
+    from kvproto.reader_requests import SessionKey
     from kvproto.reader_session import Session
-    from kvproto.reader_sessions import HolderSessions
     from kvproto.stats import ReaderStats
 
 _UNKNOWN = UNKNOWN_WAKE
@@ -64,7 +64,6 @@ class ReaderWrites:
         def _decline(self, now: float, req: Request) -> None: ...
         def _fail(self, now: float, req: Request, reason: FailReason) -> None: ...
         def _order(self, req: Request, session: Session, rank: int, notify: bytes) -> ReadOrder: ...
-        def _find(self, session: Session, lease: int) -> tuple[Request | None, Part | None]: ...
         def read_completed(self, now: float, request_id: str, holder_rank: int) -> None: ...
         def read_failed(self, now: float, request_id: str, holder_rank: int) -> None: ...
 
@@ -141,7 +140,7 @@ class ReaderWrites:
         return ReadDeferred(until=req.defer_until, heartbeats=0)
 
     def _on_arm_ack(self, now: float, session: Session, ack: wire.ArmAck) -> None:
-        req, part = self._find(session, ack.lease)
+        req, part = find_part(self._requests, session, ack.lease)
         if req is None or part is None or part.state is not _ARMING:
             self.stats.unexpected_frames += 1  # late, duplicated, or for no write
             return

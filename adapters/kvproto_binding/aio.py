@@ -1,4 +1,4 @@
-"""An asyncio driver for :class:`~kvproto_binding.endpoint.Endpoint`.
+"""An asyncio driver for :class:`~kvproto_binding.step.Binding`.
 
 aioquic's ``asyncio/protocol.py`` for kvproto: the cores stay sans-I/O and
 synchronous; this module is the only place where asyncio meets them. It
@@ -6,7 +6,7 @@ synchronous; this module is the only place where asyncio meets them. It
 * owns the clock: ``now`` is ``loop.time()`` (``time.monotonic()`` on the
   default loops, the clock the cores expect), never allowed to run backwards;
 * keeps **one** timer handle, re-armed after every step at
-  :meth:`Endpoint.next_deadline` (the cores' ``get_timer()``); when it fires it
+  :meth:`Binding.next_deadline` (the cores' ``get_timer()``); when it fires it
   steps with ``now = max(loop.time(), deadline)``, so the cores see their own
   deadline even if the loop ran the handle a clock tick early;
 * steps as soon as the transport has events: a transport with
@@ -18,8 +18,8 @@ synchronous; this module is the only place where asyncio meets them. It
 * forwards the application's calls (grant, adopt, track, start_read, ...) to
   the cores with ``now`` and schedules a step to carry out their outputs;
 * hands the outputs to the application: every one as :class:`Happened` (an
-  ``on_event`` callback, else a queue read by :meth:`AsyncEndpoint.events`),
-  plus :meth:`~AsyncEndpoint.wait_freed` / :meth:`~AsyncEndpoint.wait_request`
+  ``on_event`` callback, else a queue read by :meth:`AsyncBinding.events`),
+  plus :meth:`~AsyncBinding.wait_freed` / :meth:`~AsyncBinding.wait_request`
   for one lease or request; ``Connect`` is answered by an async ``connector``
   (the side channel) if one is given.
 
@@ -52,7 +52,7 @@ from kvproto.reader import Reader
 from kvproto.ticket import LeaseTicket
 from kvproto.transport import PeerId
 
-from .endpoint import Endpoint
+from .step import Binding
 
 log = logging.getLogger("kvproto.aio")
 
@@ -95,7 +95,7 @@ class DriverStats:
     """What woke the driver, for tests and tuning."""
 
     steps: int = 0
-    """Calls of :meth:`Endpoint.step`."""
+    """Calls of :meth:`Binding.step`."""
     timer_steps: int = 0
     """Steps run by the re-armed core timer."""
     wakeups: int = 0
@@ -103,7 +103,7 @@ class DriverStats:
     polls: int = 0
     """Steps run by the fallback poll (transports without a wakeup hook)."""
     events_dropped: int = 0
-    """Oldest queued events dropped because nobody read :meth:`AsyncEndpoint.events`."""
+    """Oldest queued events dropped because nobody read :meth:`AsyncBinding.events`."""
     connect_failures: int = 0
     """Connector calls that raised (their holder's requests failed)."""
 
@@ -163,12 +163,12 @@ class _Outcomes(Generic[K, V]):
         fut.exception()  # retrieved: no "never retrieved" log for outcomes nobody awaited
 
 
-class AsyncEndpoint:
-    """Drives one :class:`Endpoint` (holder and/or reader + transport) from the running loop."""
+class AsyncBinding:
+    """Drives one :class:`Binding` (holder and/or reader + transport) from the running loop."""
 
     def __init__(
         self,
-        endpoint: Endpoint,
+        binding: Binding,
         *,
         connector: Connector | None = None,
         on_event: Callable[[Happened], None] | None = None,
@@ -176,7 +176,7 @@ class AsyncEndpoint:
         max_queued_events: int = 65536,
         keep_outcomes: int = 4096,
     ) -> None:
-        """Start driving ``endpoint``; must be called inside the running event loop.
+        """Start driving ``binding``; must be called inside the running event loop.
 
         ``on_event`` gets every output in the loop (like aioquic's
         ``quic_event_received``); without it outputs are queued (the oldest
@@ -189,7 +189,7 @@ class AsyncEndpoint:
         if poll_interval_s is not None and poll_interval_s <= 0:
             raise ValueError("poll_interval_s must be positive or None")
         self._loop = asyncio.get_running_loop()
-        self.endpoint = endpoint
+        self.binding = binding
         self.stats = DriverStats()
         self.error: BaseException | None = None
         """Why the driver stopped, if a step raised."""
@@ -208,7 +208,7 @@ class AsyncEndpoint:
         self._poll: asyncio.TimerHandle | None = None
         self._wake_pending = False
         self._poll_interval: float | None = None
-        transport = endpoint.transport
+        transport = binding.transport
         if isinstance(transport, Wakeable):
             transport.set_wakeup(self._wake_threadsafe)
         elif poll_interval_s is not None:
@@ -230,10 +230,10 @@ class AsyncEndpoint:
 
     @property
     def holder(self) -> Holder:
-        """The holder core (raises if this endpoint hosts none)."""
-        if self.endpoint.holder is None:
-            raise LocalProtocolError("this endpoint hosts no holder")
-        return self.endpoint.holder
+        """The holder core (raises if this binding hosts none)."""
+        if self.binding.holder is None:
+            raise LocalProtocolError("this binding hosts no holder")
+        return self.binding.holder
 
     def grant(self, request_id: str, *, ttl: float | None = None) -> LeaseTicket:
         """``Holder.grant`` now; :meth:`wait_freed` can then await the lease."""
@@ -265,10 +265,10 @@ class AsyncEndpoint:
 
     @property
     def reader(self) -> Reader:
-        """The reader core (raises if this endpoint hosts none)."""
-        if self.endpoint.reader is None:
-            raise LocalProtocolError("this endpoint hosts no reader")
-        return self.endpoint.reader
+        """The reader core (raises if this binding hosts none)."""
+        if self.binding.reader is None:
+            raise LocalProtocolError("this binding hosts no reader")
+        return self.binding.reader
 
     def track(self, request_id: str, ticket: LeaseTicket) -> None:
         """``Reader.track`` now: heartbeats start, a ``Connect`` goes to the connector."""
@@ -280,22 +280,22 @@ class AsyncEndpoint:
     def connected(self, engine: str, rank: int, metadata: bytes) -> PeerId:
         """Answer a ``Connect`` with the holder's transport metadata (without a connector)."""
         self._check()
-        peer = self.endpoint.connected(self.now(), engine=engine, rank=rank, metadata=metadata)
+        peer = self.binding.connected(self.now(), engine=engine, rank=rank, metadata=metadata)
         self.wake()
         return peer
 
     def connect_failed(self, engine: str, rank: int) -> None:
         """Answer a ``Connect``: unreachable, its requests fail."""
         self._check()
-        self.endpoint.connect_failed(self.now(), engine=engine, rank=rank)
+        self.binding.connect_failed(self.now(), engine=engine, rank=rank)
         self.wake()
 
     def start_read(
         self, request_id: str, *, local_blocks: Sequence[int], remote_blocks: Sequence[int]
     ) -> ReadGo | ReadDeferred | ReadDeclined:
-        """``Endpoint.start_read`` now; the outcome comes from :meth:`wait_request`."""
+        """``Binding.start_read`` now; the outcome comes from :meth:`wait_request`."""
         self._check()
-        decision = self.endpoint.start_read(
+        decision = self.binding.start_read(
             self.now(), request_id, local_blocks=local_blocks, remote_blocks=remote_blocks
         )
         self.wake()
@@ -391,7 +391,7 @@ class AsyncEndpoint:
         if self._closed:
             return
         try:
-            result = self.endpoint.step(now)
+            result = self.binding.step(now)
         except Exception as exc:
             log.exception("kvproto step failed; the driver stops")
             self.error = exc
@@ -418,7 +418,7 @@ class AsyncEndpoint:
         self._arm_timer()
 
     def _arm_timer(self) -> None:
-        due = self.endpoint.next_deadline()
+        due = self.binding.next_deadline()
         timer = self._timer
         if timer is not None:
             if due is not None and timer.when() == due:
@@ -450,15 +450,15 @@ class AsyncEndpoint:
         if not self._closed:
             self._shutdown(DriverClosed("driver closed"))
         if close_transport:
-            self.endpoint.transport.close()
+            self.binding.transport.close()
 
     async def aclose(self, *, close_transport: bool = True) -> None:
         """:meth:`close`, with the transport closed in a worker thread."""
         self.close(close_transport=False)
         if close_transport:
-            await asyncio.to_thread(self.endpoint.transport.close)
+            await asyncio.to_thread(self.binding.transport.close)
 
-    async def __aenter__(self) -> AsyncEndpoint:
+    async def __aenter__(self) -> AsyncBinding:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -472,7 +472,7 @@ class AsyncEndpoint:
         self._timer = self._step_soon = self._poll = None
         for task in self._tasks:
             task.cancel()
-        transport = self.endpoint.transport
+        transport = self.binding.transport
         if isinstance(transport, Wakeable):
             transport.set_wakeup(None)
         self._freed.close(exc)

@@ -105,7 +105,7 @@ class KvprotoConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._stats: DeltaTracker | None = None
-        producer, consumer = transfer.is_kv_producer, transfer.is_kv_consumer
+        holds, reads = transfer.is_kv_producer, transfer.is_kv_consumer
         # Refused here, when the engine starts, with one line naming the shape: never a
         # per-request warning followed by a silent recompute.
         self.groups = transfer_groups(vllm_config, kv_cache_config)
@@ -120,7 +120,7 @@ class KvprotoConnector(KVConnectorBase_V1, SupportsHMA):
         if self.adapter_config.bidirectional_kv_xfer:
             # Turn 2 reverses the roles: D holds the conversation's blocks and P reads
             # them, so every engine runs both halves (and serves its side channel).
-            producer = consumer = True
+            holds = reads = True
         if role == KVConnectorRole.SCHEDULER:
             from .scheduler import SchedulerSide
 
@@ -128,8 +128,8 @@ class KvprotoConnector(KVConnectorBase_V1, SupportsHMA):
                 vllm_config,
                 self.adapter_config,
                 engine_id=engine_id,
-                producer=producer,
-                consumer=consumer,
+                holds=holds,
+                reads=reads,
                 groups=self.groups,
             )
         else:
@@ -141,8 +141,8 @@ class KvprotoConnector(KVConnectorBase_V1, SupportsHMA):
                 self.adapter_config,
                 engine_id=engine_id,
                 num_blocks=int(kv_cache_config.num_blocks),
-                producer=producer,
-                consumer=consumer,
+                holds=holds,
+                reads=reads,
                 groups=self.groups,
                 kv_cache_config=kv_cache_config,
             )
@@ -274,7 +274,7 @@ class KvprotoConnector(KVConnectorBase_V1, SupportsHMA):
 
     def has_pending_push_work(self) -> bool:
         # vLLM's only hook that keeps an engine stepping without requests; used so an
-        # aborted request's lease abort reaches the prefill engine (see consumer.py).
+        # aborted request's lease abort reaches the prefill engine (see reader_scheduler.py).
         return self._scheduler is not None and self._scheduler.has_pending_work()
 
     @classmethod
@@ -321,15 +321,15 @@ class KvprotoConnector(KVConnectorBase_V1, SupportsHMA):
                 self._worker.transport.local_peer if self._worker.transport is not None else None
             )
         if self._scheduler is not None:
-            producer, consumer = self._scheduler.producer, self._scheduler.consumer
-            if producer is not None:
-                out["incarnation"] = producer.incarnation
-                out["granted"] = producer.granted
-                out["granted_turn2"] = producer.granted_turn2
-                out["shared_children"] = producer.shared_children
-            if consumer is not None:
-                out["tracked"] = consumer.tracked_count()
-                out["untracked"] = consumer.untracked
+            holder, reader = self._scheduler.holder_scheduler, self._scheduler.reader_scheduler
+            if holder is not None:
+                out["incarnation"] = holder.incarnation
+                out["granted"] = holder.granted
+                out["granted_turn2"] = holder.granted_turn2
+                out["shared_children"] = holder.shared_children
+            if reader is not None:
+                out["tracked"] = reader.tracked_count()
+                out["untracked"] = reader.untracked
         return out
 
 

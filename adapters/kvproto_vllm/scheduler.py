@@ -1,4 +1,4 @@
-"""The scheduler-side connector: the producer and/or consumer halves, and the step metadata.
+"""The scheduler-side connector: the holder and/or reader halves, and the step metadata.
 
 Runs in the engine-core process on the scheduler's thread. It holds no lease
 core: it mints tickets (P) and forwards request events (D) to the workers,
@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 from .compat import side_channel_address, stock_side_channel_address, transfer_tp_size
 from .config import AdapterConfig
-from .consumer import Consumer
 from .groups import TransferGroups, single_full_group
+from .holder_scheduler import HolderScheduler
 from .metadata import KvprotoMetadata
-from .producer import Producer
+from .reader_scheduler import ReaderScheduler
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -30,7 +30,8 @@ log = logging.getLogger("vllm.kvproto_connector.scheduler")
 
 
 class SchedulerSide:
-    """Scheduler half of one engine (producer, consumer, or both for ``kv_both``)."""
+    """Scheduler half of one engine: the holder's (``kv_producer``), the reader's
+    (``kv_consumer``), or both (``kv_both``)."""
 
     def __init__(
         self,
@@ -38,8 +39,8 @@ class SchedulerSide:
         cfg: AdapterConfig,
         *,
         engine_id: str,
-        producer: bool,
-        consumer: bool,
+        holds: bool,
+        reads: bool,
         groups: TransferGroups | None = None,
     ) -> None:
         """``groups``: the engine's KV cache groups (:func:`.groups.transfer_groups`);
@@ -47,14 +48,14 @@ class SchedulerSide:
         self.cfg = cfg
         self.groups = groups if groups is not None else single_full_group()
         self.vllm_config = vllm_config
-        self.producer: Producer | None = None
-        self.consumer: Consumer | None = None
+        self.holder_scheduler: HolderScheduler | None = None
+        self.reader_scheduler: ReaderScheduler | None = None
         self.stock_listener: StockHandshakeListener | None = None
-        if producer:
+        if holds:
             host, port = side_channel_address(vllm_config, cfg)
             _, stock_port = stock_side_channel_address(vllm_config)
             parallel = vllm_config.parallel_config
-            self.producer = Producer(
+            self.holder_scheduler = HolderScheduler(
                 cfg.lease,
                 engine_id=engine_id,
                 tp_size=transfer_tp_size(vllm_config),
@@ -65,8 +66,8 @@ class SchedulerSide:
                 pp_size=int(parallel.pipeline_parallel_size),
                 groups=self.groups,
             )
-        if consumer:
-            self.consumer = Consumer(
+        if reads:
+            self.reader_scheduler = ReaderScheduler(
                 recompute_threshold=cfg.kv_recompute_threshold,
                 bidirectional=cfg.bidirectional_kv_xfer,
                 groups=self.groups,
@@ -86,65 +87,65 @@ class SchedulerSide:
     # ------------------------------------------------------------ vLLM hooks
 
     def on_new_request(self, request: Request) -> None:
-        if self.producer is not None:
-            self.producer.on_new_request(request)
-        if self.consumer is not None:
-            self.consumer.on_new_request(request)
+        if self.holder_scheduler is not None:
+            self.holder_scheduler.on_new_request(request)
+        if self.reader_scheduler is not None:
+            self.reader_scheduler.on_new_request(request)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
-        if self.consumer is None:
+        if self.reader_scheduler is None:
             return 0, False
-        return self.consumer.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self.reader_scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        if self.consumer is not None:
-            self.consumer.update_state_after_alloc(request, blocks, num_external_tokens)
+        if self.reader_scheduler is not None:
+            self.reader_scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_meta(self) -> KvprotoMetadata:
         meta = KvprotoMetadata()
-        if self.producer is not None:
-            meta.incarnation = self.producer.incarnation
-            meta.grants = self.producer.take_grants()
-        if self.consumer is not None:
-            meta.tracks, meta.recvs, meta.finishes = self.consumer.take()
+        if self.holder_scheduler is not None:
+            meta.incarnation = self.holder_scheduler.incarnation
+            meta.grants = self.holder_scheduler.take_grants()
+        if self.reader_scheduler is not None:
+            meta.tracks, meta.recvs, meta.finishes = self.reader_scheduler.take()
         return meta
 
     def update_connector_output(self, finished_recving: set[str] | None) -> None:
-        if self.consumer is not None:
-            self.consumer.finished_recving(finished_recving)
+        if self.reader_scheduler is not None:
+            self.reader_scheduler.finished_recving(finished_recving)
 
     def has_pending_work(self) -> bool:
-        return self.consumer is not None and self.consumer.has_pending_work()
+        return self.reader_scheduler is not None and self.reader_scheduler.has_pending_work()
 
     def request_finished(
         self, request: Request, block_ids: Sequence[Sequence[int]]
     ) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params
-        if self.consumer is not None:
+        if self.reader_scheduler is not None:
             # Stop tracking (a turn-2 prefill on P is tracked too): an unread lease is
             # aborted, so its holder frees at once.
-            self.consumer.request_finished(request)
+            self.reader_scheduler.request_finished(request)
         if params and params.get("do_remote_decode"):
-            if self.producer is None:
+            if self.holder_scheduler is None:
                 log.warning(
                     "request %s asks for remote decode but this engine is not a kv_producer",
                     request.request_id,
                 )
                 return False, None
-            return self.producer.request_finished(request, block_ids)
-        if params and self.cfg.bidirectional_kv_xfer and self.producer is not None:
+            return self.holder_scheduler.request_finished(request, block_ids)
+        if params and self.cfg.bidirectional_kv_xfer and self.holder_scheduler is not None:
             # Stock's bidirectional D node: keep a decoded request's blocks (prompt and
             # output) for the conversation's next turn, under a decoder_kv_blocks_ttl lease.
-            return self.producer.request_finished(request, block_ids, turn2=True)
+            return self.holder_scheduler.request_finished(request, block_ids, turn2=True)
         return False, None
 
     def set_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         """Interop mode: serve the workers' stock payloads on the stock port."""
-        if self.producer is None or not self.cfg.lease.accept_legacy:
+        if self.holder_scheduler is None or not self.cfg.lease.accept_legacy:
             return
         from .metadata import KvprotoHandshakeMetadata
         from .stock_interop import StockHandshakeListener

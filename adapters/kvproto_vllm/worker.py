@@ -1,4 +1,4 @@
-"""The worker-side connector: one transport, one binding Endpoint, the lease cores.
+"""The worker-side connector: one transport, one ``kvproto_binding.Binding``, the lease cores.
 
 Lifecycle (vLLM calls, all on the worker's execution thread, never concurrently):
 
@@ -8,14 +8,14 @@ Lifecycle (vLLM calls, all on the worker's execution thread, never concurrently)
   thread -- it would spin a core per agent; the engine polls every step
   instead, see spec/nixl-transport.md section 1 -- or UCX, whose engine thread
   sleeps when idle). Past this point the worker only uses the Transport
-  protocol. A producer opens its side-channel server here (serving this
-  rank's metadata and taking readers' introductions); a consumer creates its
-  Reader and handshake client.
+  protocol. A holder (``kv_producer``) opens its side-channel server here
+  (serving this rank's metadata and taking readers' introductions); a reader
+  (``kv_consumer``) creates its Reader and handshake client.
 * every step: ``start_load_kv`` applies the scheduler's orders and pumps
   (unless the worker is idle: :meth:`WorkerSide._idle`);
   ``get_transfer_results`` reports, and pumps again first while a transfer
   may be under way (:meth:`WorkerSide._transfers_pending`). A pump = add
-  introduced readers, apply finished handshakes, :meth:`Endpoint.step` (poll
+  introduced readers, apply finished handshakes, :meth:`Binding.step` (poll
   the transport, feed the cores, run their timers, send their frames), issue
   reads that became possible.
 
@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 from kvproto.reader import Reader
 from kvproto.stats import counts_of
 from kvproto.transport import Transport, TransportError
-from kvproto_binding.endpoint import Endpoint
+from kvproto_binding.step import Binding
 
 from .block_parts import CannotRegroup, PagedRegions, paged_regions, region_heads
 from .compat import (
@@ -59,10 +59,10 @@ from .compat import (
 )
 from .config import AdapterConfig
 from .groups import TransferGroups, single_full_group
-from .holder_side import HolderSide
+from .holder_worker import HolderWorker
 from .kv_layout import KvLayout, kv_layout
 from .metadata import KvprotoHandshakeMetadata, KvprotoMetadata
-from .reader_side import ReaderSide
+from .reader_worker import ReaderWorker
 
 if TYPE_CHECKING:
     import torch
@@ -108,8 +108,8 @@ class WorkerSide:
         *,
         engine_id: str,
         num_blocks: int,
-        producer: bool,
-        consumer: bool,
+        holds: bool,
+        reads: bool,
         tp: tuple[int, int] | None = None,
         groups: TransferGroups | None = None,
         kv_cache_config: Any | None = None,
@@ -123,8 +123,8 @@ class WorkerSide:
         self.vllm_config = vllm_config
         self.engine_id = engine_id
         self.num_blocks = num_blocks
-        self.producer = producer
-        self.consumer = consumer
+        self.holds = holds
+        self.reads = reads
         self.rank, self.tp_size = (
             tp if tp is not None else (_tp_rank(), transfer_tp_size(vllm_config))
         )
@@ -141,9 +141,9 @@ class WorkerSide:
         self._enter_thread: Callable[[], None] = _nothing
         """The chosen transport's per-call thread hook (NIXL's owner-thread rule)."""
         self.server: SideChannelServer | None = None
-        self.endpoint: Endpoint | None = None
-        self.holder_side: HolderSide | None = None
-        self.reader_side: ReaderSide | None = None
+        self.binding: Binding | None = None
+        self.holder_worker: HolderWorker | None = None
+        self.reader_worker: ReaderWorker | None = None
         self.events: deque[tuple[float, str, str, str]] = deque(maxlen=_EVENTS_KEPT)
         """(monotonic time, kind, request or engine id, detail): recent decisions, for
         operators' debugging and the tests."""
@@ -194,7 +194,7 @@ class WorkerSide:
         log.info(
             "rank %d: registered KV caches with %s (%s)", self.rank, transport.local_peer, detail
         )
-        if self.producer and self.cfg.lease.accept_legacy:
+        if self.holds and self.cfg.lease.accept_legacy:
             # parse_extra_config refuses accept_legacy unless kv_transport is "nixl".
             from kvproto_transports.nixl.wire import decode_metadata
 
@@ -208,8 +208,8 @@ class WorkerSide:
                 layout=layout,
                 region_names=names,
             )
-        if self.producer:
-            self.holder_side = HolderSide(
+        if self.holds:
+            self.holder_worker = HolderWorker(
                 self.cfg.lease,
                 engine_id=self.engine_id,
                 rank=self.rank,
@@ -224,7 +224,7 @@ class WorkerSide:
             )
             self.server.set_metadata(self.rank, transport.metadata())
             log.info("rank %d: side channel on %s:%d", self.rank, self.host, self.server.port)
-        if self.consumer:
+        if self.reads:
             reader = Reader(
                 self.cfg.lease,
                 engine=self.engine_id,
@@ -245,12 +245,12 @@ class WorkerSide:
                 timeout_s=self.cfg.handshake_timeout_s,
                 max_attempts=self.cfg.handshake_attempts,
             )
-            self.reader_side = ReaderSide(
+            self.reader_worker = ReaderWorker(
                 reader, client, record=self.record, pages=self._pages(registered)
             )
             self._client = client
-            if not self.producer:
-                self._make_endpoint()
+            if not self.holds:
+                self._make_binding()
 
     def _pages(self, registered: KvLayout) -> PagedRegions | str:
         """The registered regions as pages (reads into blocks larger than the holder's
@@ -272,13 +272,13 @@ class WorkerSide:
     def handshake_metadata(self) -> KvprotoHandshakeMetadata:
         return KvprotoHandshakeMetadata(rank=self.rank, stock_payload=self.stock_payload)
 
-    def _make_endpoint(self) -> None:
+    def _make_binding(self) -> None:
         assert self.transport is not None
-        holder = self.holder_side.holder if self.holder_side is not None else None
-        reader = self.reader_side.reader if self.reader_side is not None else None
-        self.endpoint = Endpoint(self.transport, holder=holder, reader=reader)
-        if self.reader_side is not None:
-            self.reader_side.endpoint = self.endpoint
+        holder = self.holder_worker.holder if self.holder_worker is not None else None
+        reader = self.reader_worker.reader if self.reader_worker is not None else None
+        self.binding = Binding(self.transport, holder=holder, reader=reader)
+        if self.reader_worker is not None:
+            self.reader_worker.binding = self.binding
 
     # ------------------------------------------------------------ per step
 
@@ -292,8 +292,8 @@ class WorkerSide:
             self._apply(now, meta)
             self._pump(now)  # always: orders may have queued frames (a finish's abort)
             return
-        if meta is not None and self.endpoint is None and meta.incarnation is not None:
-            self._apply(now, meta)  # the first step: the holder and the endpoint
+        if meta is not None and self.binding is None and meta.incarnation is not None:
+            self._apply(now, meta)  # the first step: the holder and the binding
         if self._idle():
             self._last_pump = now  # nothing was due: no heartbeat lag to bound
             self._quiet = True
@@ -302,15 +302,15 @@ class WorkerSide:
 
     def _apply(self, now: float, meta: KvprotoMetadata) -> None:
         """The scheduler's orders of this step (most steps have none and skip this)."""
-        if self.holder_side is not None and meta.incarnation is not None:
-            self.holder_side.ensure(meta.incarnation)
-            if self.endpoint is None:
-                self._make_endpoint()
-            self.holder_side.adopt(now, meta.grants)
-        elif meta.grants and self.holder_side is not None:
-            self.holder_side.adopt(now, meta.grants)  # refused: freed at once
-        if self.reader_side is not None:
-            self.reader_side.apply(now, meta.tracks, meta.recvs, meta.finishes)
+        if self.holder_worker is not None and meta.incarnation is not None:
+            self.holder_worker.ensure(meta.incarnation)
+            if self.binding is None:
+                self._make_binding()
+            self.holder_worker.adopt(now, meta.grants)
+        elif meta.grants and self.holder_worker is not None:
+            self.holder_worker.adopt(now, meta.grants)  # refused: freed at once
+        if self.reader_worker is not None:
+            self.reader_worker.apply(now, meta.tracks, meta.recvs, meta.finishes)
 
     def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) for this step."""
@@ -319,9 +319,9 @@ class WorkerSide:
         if self._transfers_pending():
             self._enter()
             self._pump(time.monotonic())
-        sending = self.holder_side.take_sending() if self.holder_side is not None else set()
+        sending = self.holder_worker.take_sending() if self.holder_worker is not None else set()
         recving, failed = (
-            self.reader_side.take() if self.reader_side is not None else (set(), set())
+            self.reader_worker.take() if self.reader_worker is not None else (set(), set())
         )
         if sending or recving or failed:
             self._active = True
@@ -335,8 +335,8 @@ class WorkerSide:
         free it) or a planned read on the reader (its verdict is then reported this
         step, not the next). Otherwise heartbeats, acks and introductions wait for the
         next step's start_load_kv, and a step saves one cold transport poll."""
-        holder = self.holder_side.holder if self.holder_side is not None else None
-        reader = self.reader_side
+        holder = self.holder_worker.holder if self.holder_worker is not None else None
+        reader = self.reader_worker
         return (holder is not None and holder.live_leases() > 0) or (
             reader is not None and reader.pending() > 0
         )
@@ -351,7 +351,7 @@ class WorkerSide:
             self._thread = ident
 
     def take_bad_blocks(self) -> set[int]:
-        return self.reader_side.take_bad_blocks() if self.reader_side is not None else set()
+        return self.reader_worker.take_bad_blocks() if self.reader_worker is not None else set()
 
     def _pump(self, now: float) -> None:
         # Heartbeats, acks and done verdicts move only here: the longest gap between
@@ -375,40 +375,40 @@ class WorkerSide:
                 except TransportError as exc:
                     self.intro_errors += 1
                     log.warning("introduction from %s refused: %s", intro.requester, exc)
-        if self.endpoint is None:
+        if self.binding is None:
             return
-        if self.reader_side is not None:
-            self.reader_side.poll_handshakes(now)
+        if self.reader_worker is not None:
+            self.reader_worker.poll_handshakes(now)
         self._step(now)
-        if self.reader_side is not None and self.reader_side.start_ready_reads(now):
+        if self.reader_worker is not None and self.reader_worker.start_ready_reads(now):
             self._active = True
             self._step(now)  # declined reads and notify-only completions, this step
 
     def _idle(self) -> bool:
         """Whether start_load_kv's pump can have no work: the holder holds no lease and
         waits for no timer (open sessions and tombstones set one), and the reader is
-        idle too (:meth:`ReaderSide.idle`).
+        idle too (:meth:`ReaderWorker.idle`).
 
         Then no peer has anything this engine must answer before its next order (the
         grant or track that ends the idleness pumps in its own step; frames wait in
         NIXL's queue, introductions in the side-channel server), so the step skips the
         transport's cold poll (~20-50 us inside vLLM), the side channel's lock and the
         cores' timers -- as vLLM's own loop, with no request, skips the step."""
-        holder = self.holder_side.holder if self.holder_side is not None else None
+        holder = self.holder_worker.holder if self.holder_worker is not None else None
         if holder is not None and (holder.live_leases() or holder.get_timer() is not None):
             return False
-        return self.reader_side is None or self.reader_side.idle()
+        return self.reader_worker is None or self.reader_worker.idle()
 
     def _step(self, now: float) -> None:
-        assert self.endpoint is not None
-        result = self.endpoint.step(now)
+        assert self.binding is not None
+        result = self.binding.step(now)
         if not (result.freed or result.failed or result.confirmed or result.connects):
             return  # most steps: nothing for either side
         self._active = True
-        if self.holder_side is not None:
-            self.holder_side.on_freed(result.freed)
-        if self.reader_side is not None:
-            self.reader_side.on_result(now, result)
+        if self.holder_worker is not None:
+            self.holder_worker.on_freed(result.freed)
+        if self.reader_worker is not None:
+            self.reader_worker.on_result(now, result)
 
     # ------------------------------------------------------------ stats, end
 
@@ -440,15 +440,15 @@ class WorkerSide:
         counts_of reads each counter class in ~1 µs where dataclasses.asdict took ~50.
         """
         snap: dict[str, int] = {}
-        if self.holder_side is not None and self.holder_side.holder is not None:
-            snap.update(self.holder_side.holder.stats_snapshot("holder_"))
-            snap["holder_bad_grants"] = self.holder_side.bad_grants
-        if self.reader_side is not None:
-            snap.update(self.reader_side.reader.stats_snapshot("reader_"))
-            snap.update(counts_of(self.reader_side.counters, "reader_"))
-            snap["reader_pending_reads"] = self.reader_side.pending()
-        if self.endpoint is not None:
-            snap.update(counts_of(self.endpoint.stats, "binding_"))
+        if self.holder_worker is not None and self.holder_worker.holder is not None:
+            snap.update(self.holder_worker.holder.stats_snapshot("holder_"))
+            snap["holder_bad_grants"] = self.holder_worker.bad_grants
+        if self.reader_worker is not None:
+            snap.update(self.reader_worker.reader.stats_snapshot("reader_"))
+            snap.update(counts_of(self.reader_worker.counters, "reader_"))
+            snap["reader_pending_reads"] = self.reader_worker.pending()
+        if self.binding is not None:
+            snap.update(counts_of(self.binding.stats, "binding_"))
         if self.server is not None:
             snap.update(counts_of(self.server.stats(), "sidechannel_"))
         snap["worker_intro_errors"] = self.intro_errors
@@ -462,8 +462,8 @@ class WorkerSide:
         self._closed = True
         if self.server is not None:
             self.server.close()
-        if self.reader_side is not None:
-            self.reader_side.client.close()
+        if self.reader_worker is not None:
+            self.reader_worker.client.close()
         if self.transport is not None:
             try:
                 self._enter()

@@ -3,7 +3,7 @@
 Prefill holds a request's KV blocks under a lease; decode tracks the lease from
 the moment the request is queued, heartbeats it while it waits, reads the blocks
 and confirms the read; prefill frees the blocks on the done. Each side is one
-:class:`kvproto_binding.Endpoint` (a core and a transport); the embedding owns
+:class:`kvproto_binding.Binding` (a core and a transport); the embedding owns
 the clock and calls ``step(now)`` on both, as an engine would once per step.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvproto import Holder, LeaseConfig, Reader, ReadGo, Transport
-from kvproto_binding import Endpoint
+from kvproto_binding import Binding
 
 STEP_S = 0.1
 """Seconds between two steps (an engine steps far more often; the cores do not mind)."""
@@ -36,8 +36,8 @@ def one_request(
     config = LeaseConfig()  # vLLM's timing: a 30 s lease, a heartbeat every 5 s
     holder = Holder(config, engine="prefill", incarnation=1)  # prefill's core
     reader = Reader(config, engine="decode", incarnation=1)  # decode's core
-    prefill = Endpoint(prefill_wire, holder=holder)
-    decode = Endpoint(decode_wire, reader=reader)
+    prefill = Binding(prefill_wire, holder=holder)
+    decode = Binding(decode_wire, reader=reader)
     # The holder must be able to answer the reader: in a deployment the side channel
     # hands prefill decode's metadata (and decode prefill's, on Connect below).
     prefill_wire.add_peer(decode_wire.metadata())

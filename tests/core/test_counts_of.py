@@ -7,8 +7,8 @@ from dataclasses import asdict, dataclass, fields
 import pytest
 
 from kvproto.stats import HolderStats, ReaderStats, counts_of
-from kvproto_binding.endpoint import BindingStats
 from kvproto_binding.sidechannel.server import ServerStats
+from kvproto_binding.step import BindingStats
 
 
 @dataclass(slots=True)

@@ -20,7 +20,7 @@ def test_the_core_snippet_runs_as_printed() -> None:
     from collections.abc import Callable
 
     from kvproto import Holder, LeaseConfig, Reader, ReadGo, Transport
-    from kvproto_binding import Endpoint
+    from kvproto_binding import Binding
     from kvproto_transports import LinkFaults, LoopbackNetwork
 
     namespace: dict[str, object] = {
@@ -30,7 +30,7 @@ def test_the_core_snippet_runs_as_printed() -> None:
         "Reader": Reader,
         "ReadGo": ReadGo,
         "Transport": Transport,
-        "Endpoint": Endpoint,
+        "Binding": Binding,
         "LinkFaults": LinkFaults,
         "LoopbackNetwork": LoopbackNetwork,
         "STEP_S": 0.1,

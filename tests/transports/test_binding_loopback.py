@@ -6,7 +6,7 @@ from kvproto.config import LeaseConfig
 from kvproto.events import ReadDeclined, ReadDeferred, ReadGo, ReleaseReason
 from kvproto.holder import Holder
 from kvproto.reader import Reader
-from kvproto_binding.endpoint import Endpoint, frame_tag
+from kvproto_binding.step import Binding, frame_tag
 from kvproto_transports.loopback import LinkFaults, LoopbackNetwork
 from tests.core.pair import counter_entropy
 
@@ -28,8 +28,8 @@ class World:
         self.d_ep.register_blocks(self.d_ep.allocate_layout(2, d_block_len, 8))
         holder = Holder(self.cfg, engine="P", incarnation=1, entropy=counter_entropy(1))
         reader = Reader(self.cfg, engine="D", incarnation=2, entropy=counter_entropy(99))
-        self.p = Endpoint(self.p_ep, holder=holder)
-        self.d = Endpoint(self.d_ep, reader=reader)
+        self.p = Binding(self.p_ep, holder=holder)
+        self.d = Binding(self.d_ep, reader=reader)
         # The holder must be able to answer the reader (the side channel's introduction).
         self.p_ep.add_peer(self.d_ep.metadata())
         self.freed: list[tuple[float, ReleaseReason]] = []

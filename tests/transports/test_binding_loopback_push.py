@@ -15,7 +15,7 @@ from kvproto.events import ReadDeferred, ReadGo, ReleaseReason
 from kvproto.holder import Holder
 from kvproto.reader import Reader
 from kvproto.states import WriteState
-from kvproto_binding.endpoint import Endpoint
+from kvproto_binding.step import Binding
 from kvproto_transports.loopback import LinkFaults, LoopbackNetwork
 from tests.core.pair import counter_entropy
 
@@ -36,8 +36,8 @@ class PushWorld:
         self.d_ep.register_blocks(self.d_ep.allocate_layout(2, BLOCK, 8))
         holder = Holder(self.cfg, engine="D", incarnation=1, entropy=counter_entropy(1))
         writer = Reader(self.cfg, engine="P", incarnation=2, entropy=counter_entropy(99))
-        self.d = Endpoint(self.d_ep, holder=holder)
-        self.p = Endpoint(self.p_ep, reader=writer)
+        self.d = Binding(self.d_ep, holder=holder)
+        self.p = Binding(self.p_ep, reader=writer)
         self.d_ep.add_peer(self.p_ep.metadata())  # the registration's introduction
         self.freed: list[tuple[float, ReleaseReason]] = []
         self.fenced: list[tuple[float, ReleaseReason]] = []

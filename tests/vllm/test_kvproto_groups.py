@@ -235,7 +235,7 @@ def test_an_ssm_only_engine_plans_its_read_with_no_block_size() -> None:
 
     from kvproto.config import LeaseConfig
     from kvproto.holder import Holder
-    from kvproto_vllm.consumer import Consumer
+    from kvproto_vllm.reader_scheduler import ReaderScheduler
 
     groups = TransferGroups(
         kinds=(SSM,),
@@ -259,13 +259,13 @@ def test_an_ssm_only_engine_plans_its_read_with_no_block_size() -> None:
     request: Any = SimpleNamespace(
         request_id="d-1", kv_transfer_params=params, num_prompt_tokens=41
     )
-    consumer = Consumer(groups=groups)
-    consumer.on_new_request(request)
-    assert consumer.is_tracked("d-1")
+    reader = ReaderScheduler(groups=groups)
+    reader.on_new_request(request)
+    assert reader.is_tracked("d-1")
     blocks: Any = SimpleNamespace(
         get_unhashed_block_ids_all_groups=lambda: ([3],), get_block_ids=lambda: ([3],)
     )
-    consumer.update_state_after_alloc(request, blocks, 40)
-    (recv,) = consumer.take()[1]
+    reader.update_state_after_alloc(request, blocks, 40)
+    (recv,) = reader.take()[1]
     assert (recv.local_block_ids, recv.remote_block_ids, recv.ratio) == ([3], [7], 1)
     assert recv.problem is None

@@ -122,8 +122,8 @@ def test_connector_refuses_an_unknown_transport(tiny_model_dir: Path) -> None:
 @skip_without_ucx
 def test_worker_reads_over_ucx(tiny_model_dir: Path) -> None:
     cfg = vllm_config(tiny_model_dir)
-    p, p_kv = make_worker(cfg, "P-ucx", producer=True, port=free_port(), **UCX)
-    d, d_kv = make_worker(cfg, "D-ucx", producer=False, port=free_port(), **UCX)
+    p, p_kv = make_worker(cfg, "P-ucx", holds=True, port=free_port(), **UCX)
+    d, d_kv = make_worker(cfg, "D-ucx", holds=False, port=free_port(), **UCX)
     try:
         assert p.transport is not None and p.transport.name == "ucx"
         assert d.transport is not None and d.transport.name == "ucx"
@@ -161,8 +161,8 @@ def test_worker_reads_over_ucx(tiny_model_dir: Path) -> None:
 @skip_without_ucx
 def test_ucx_reader_refused_by_nixl_holder(tiny_model_dir: Path) -> None:
     cfg = vllm_config(tiny_model_dir)
-    p, _ = make_worker(cfg, "P-nixl", producer=True, port=free_port())
-    d, _ = make_worker(cfg, "D-ucx-2", producer=False, port=free_port(), **UCX)
+    p, _ = make_worker(cfg, "P-nixl", holds=True, port=free_port())
+    d, _ = make_worker(cfg, "D-ucx-2", holds=False, port=free_port(), **UCX)
     try:
         loop = Loop(p, d)
         ticket = mint(p, "p-mix")

@@ -33,8 +33,8 @@ from .vllm_required import require_vllm
 require_vllm()
 
 from kvproto.ticket import PARAMS_KEY, LeaseTicket  # noqa: E402
+from kvproto_vllm.holder_scheduler import READERS_KEY  # noqa: E402
 from kvproto_vllm.metadata import KvprotoMetadata  # noqa: E402
-from kvproto_vllm.producer import READERS_KEY  # noqa: E402
 
 from .kvproto_config import kvproto_config  # noqa: E402
 

@@ -67,7 +67,7 @@ def vllm_config(model: Path) -> Any:
 
 
 def make_worker(
-    cfg: Any, engine: str, *, producer: bool, port: int, **extra: Any
+    cfg: Any, engine: str, *, holds: bool, port: int, **extra: Any
 ) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
     adapter = parse_extra_config({"kvproto_side_channel_port": port, **extra})
     side = WorkerSide(
@@ -75,10 +75,10 @@ def make_worker(
         adapter,
         engine_id=engine,
         num_blocks=NUM_BLOCKS,
-        producer=producer,
-        consumer=not producer,
+        holds=holds,
+        reads=not holds,
     )
-    fill = torch.randn if producer else torch.zeros
+    fill = torch.randn if holds else torch.zeros
     caches = {name: fill(NUM_BLOCKS, *BLOCK_SHAPE) for name in LAYERS}
     side.register_kv_caches(caches)
     return side, caches
@@ -87,8 +87,8 @@ def make_worker(
 @pytest.fixture(scope="module")
 def pair(tiny_model_dir: Path) -> Iterator[tuple[WorkerSide, Any, WorkerSide, Any, Any]]:
     cfg = vllm_config(tiny_model_dir)
-    p, p_kv = make_worker(cfg, "P-engine", producer=True, port=free_port())
-    d, d_kv = make_worker(cfg, "D-engine", producer=False, port=free_port())
+    p, p_kv = make_worker(cfg, "P-engine", holds=True, port=free_port())
+    d, d_kv = make_worker(cfg, "D-engine", holds=False, port=free_port())
     try:
         yield p, p_kv, d, d_kv, cfg
     finally:
@@ -244,7 +244,7 @@ def test_unreachable_holder_fails_before_allocation(pair: Any) -> None:
     d2, _ = make_worker(
         cfg,
         "D2-engine",
-        producer=False,
+        holds=False,
         port=free_port(),
         handshake_attempts=1,
         handshake_timeout_s=0.3,
@@ -293,8 +293,8 @@ def test_idle_engines_skip_the_pump_and_wake_on_their_first_order(pair: Any) -> 
     in the side channel, the Hello in NIXL), and a request aborted before its read
     frees the holder's blocks although the reader tracks nothing after the abort."""
     _, _, _, _, cfg = pair
-    p, _ = make_worker(cfg, "P-idle", producer=True, port=free_port())
-    d, _ = make_worker(cfg, "D-idle", producer=False, port=free_port())
+    p, _ = make_worker(cfg, "P-idle", holds=True, port=free_port())
+    d, _ = make_worker(cfg, "D-idle", holds=False, port=free_port())
     try:
         loop = Loop(p, d)
         for _ in range(20):  # no lease, no session, nothing tracked: no pump
@@ -330,8 +330,8 @@ def test_the_pump_gap_counts_waits_with_work_pending_only(pair: Any) -> None:
     wait while a lease is held counts, a wait with nothing to do (vLLM does not step an
     engine without requests) does not."""
     _, _, _, _, cfg = pair
-    p, _ = make_worker(cfg, "P-gap", producer=True, port=free_port())
-    d, _ = make_worker(cfg, "D-gap", producer=False, port=free_port())
+    p, _ = make_worker(cfg, "P-gap", holds=True, port=free_port())
+    d, _ = make_worker(cfg, "D-gap", holds=False, port=free_port())
     try:
         loop = Loop(p, d)
         loop.step()
@@ -387,7 +387,7 @@ class Ranks:
 
 
 def tp_worker(
-    cfg: Any, engine: str, rank: int, size: int, heads: int, *, producer: bool, port: int
+    cfg: Any, engine: str, rank: int, size: int, heads: int, *, holds: bool, port: int
 ) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
     adapter = parse_extra_config({"kvproto_side_channel_port": port})
     side = WorkerSide(
@@ -395,11 +395,11 @@ def tp_worker(
         adapter,
         engine_id=engine,
         num_blocks=NUM_BLOCKS,
-        producer=producer,
-        consumer=not producer,
+        holds=holds,
+        reads=not holds,
         tp=(rank, size),
     )
-    fill = torch.randn if producer else torch.zeros
+    fill = torch.randn if holds else torch.zeros
     # A TP rank holds heads / size KV heads of the head-major CPU block.
     caches = {name: fill(NUM_BLOCKS, heads, 32, 64) for name in LAYERS}
     side.register_kv_caches(caches)
@@ -411,9 +411,9 @@ def test_reader_tp_wider_than_holder(pair: Any) -> None:
     only after both D ranks' done frames (expected consumers = 2)."""
     cfg = pair[4]
     base = free_port()
-    p, p_kv = tp_worker(cfg, "P-tp1", 0, 1, 2, producer=True, port=base)
-    d0, d0_kv = tp_worker(cfg, "D-tp2", 0, 2, 1, producer=False, port=free_port())
-    d1, d1_kv = tp_worker(cfg, "D-tp2", 1, 2, 1, producer=False, port=free_port())
+    p, p_kv = tp_worker(cfg, "P-tp1", 0, 1, 2, holds=True, port=base)
+    d0, d0_kv = tp_worker(cfg, "D-tp2", 0, 2, 1, holds=False, port=free_port())
+    d1, d1_kv = tp_worker(cfg, "D-tp2", 1, 2, 1, holds=False, port=free_port())
     try:
         ranks = Ranks([p], [d0, d1])
         mint_ = LeaseMint(
@@ -447,9 +447,9 @@ def test_holder_tp_wider_than_reader(pair: Any) -> None:
     base + rank) into the two halves of its block; each P rank frees on its own done."""
     cfg = pair[4]
     base = free_port_pair()
-    p0, p0_kv = tp_worker(cfg, "P-tp2", 0, 2, 1, producer=True, port=base)
-    p1, p1_kv = tp_worker(cfg, "P-tp2", 1, 2, 1, producer=True, port=base)
-    d, d_kv = tp_worker(cfg, "D-tp1", 0, 1, 2, producer=False, port=free_port())
+    p0, p0_kv = tp_worker(cfg, "P-tp2", 0, 2, 1, holds=True, port=base)
+    p1, p1_kv = tp_worker(cfg, "P-tp2", 1, 2, 1, holds=True, port=base)
+    d, d_kv = tp_worker(cfg, "D-tp1", 0, 1, 2, holds=False, port=free_port())
     try:
         assert (p0.server.port, p1.server.port) == (base, base + 1)  # type: ignore[union-attr]
         ranks = Ranks([p0, p1], [d])
@@ -486,11 +486,10 @@ def test_partial_hit_across_tp_ratio(pair: Any, p_tp: int, d_tp: int) -> None:
     base = free_port_pair()
     p_engine, d_engine = f"P-part-{p_tp}{d_tp}", f"D-part-{p_tp}{d_tp}"
     ps = [
-        tp_worker(cfg, p_engine, r, p_tp, heads // p_tp, producer=True, port=base)
-        for r in range(p_tp)
+        tp_worker(cfg, p_engine, r, p_tp, heads // p_tp, holds=True, port=base) for r in range(p_tp)
     ]
     ds = [
-        tp_worker(cfg, d_engine, r, d_tp, heads // d_tp, producer=False, port=free_port())
+        tp_worker(cfg, d_engine, r, d_tp, heads // d_tp, holds=False, port=free_port())
         for r in range(d_tp)
     ]
     try:

@@ -75,7 +75,7 @@ def mrv2_pair(tiny_model_dir: Path) -> Iterator[tuple[Any, Any, dict[str, Any], 
     finally:
         kv_transfer_state._KV_CONNECTOR_AGENT = None
     d_cfg = device_free_config(tiny_model_dir, kvproto_config("kv_both"))
-    d, d_kv = make_worker(d_cfg, "D-engine", producer=False, port=free_port())
+    d, d_kv = make_worker(d_cfg, "D-engine", holds=False, port=free_port())
     try:
         yield runner, p_conn, p_kv, d, d_kv
     finally:

@@ -41,8 +41,8 @@ from kvproto.states import LeaseState
 from kvproto.ticket import LeaseTicket
 from kvproto.tpmath import BlockSlice
 from kvproto.transport import PeerId, ReadId, TransportEvent
-from kvproto_binding.aio import AsyncEndpoint, DriverClosed, Happened, Wakeable
-from kvproto_binding.endpoint import Endpoint
+from kvproto_binding.aio import AsyncBinding, DriverClosed, Happened, Wakeable
+from kvproto_binding.step import Binding
 from kvproto_transports.forwarding import ForwardingTransport
 from kvproto_transports.loopback import LinkFaults, LoopbackNetwork, LoopbackTransport
 from kvproto_transports.ucx import ucx_available, unavailable_reason
@@ -164,12 +164,12 @@ class World:
         self.d_ep.register_blocks(self.d_ep.allocate_layout(2, BLOCK, 8))
         self.p_ep.add_peer(self.d_ep.metadata())  # the side channel's introduction
         cls = WakeablePumped if wakeable else Pumped
-        self.p = AsyncEndpoint(
-            Endpoint(cls(self.p_ep, self.pump), holder=Holder(self.cfg, engine="P", incarnation=1)),
+        self.p = AsyncBinding(
+            Binding(cls(self.p_ep, self.pump), holder=Holder(self.cfg, engine="P", incarnation=1)),
             poll_interval_s=poll_interval_s,
         )
-        self.d = AsyncEndpoint(
-            Endpoint(cls(self.d_ep, self.pump), reader=Reader(self.cfg, engine="D", incarnation=2)),
+        self.d = AsyncBinding(
+            Binding(cls(self.d_ep, self.pump), reader=Reader(self.cfg, engine="D", incarnation=2)),
             connector=self._connector,
             poll_interval_s=poll_interval_s,
         )
@@ -277,7 +277,7 @@ async def test_reader_crash_frees_when_the_transport_reports_it() -> None:
 @pytest.mark.asyncio(loop_factories=["virtual"])
 async def test_transport_without_wakeup_is_polled_at_the_interval() -> None:
     w = World(wakeable=False, poll_interval_s=0.01)
-    assert not isinstance(w.p.endpoint.transport, Wakeable)
+    assert not isinstance(w.p.binding.transport, Wakeable)
     ticket = w.p.grant("p-1")
     w.d.track("d-1", ticket)
     await asyncio.sleep(12.0)
@@ -299,8 +299,8 @@ async def test_connector_failure_fails_the_request_and_finish_ends_a_waiter() ->
         await asyncio.sleep(0.5)  # the side channel tries for a while
         raise ConnectionRefusedError("side channel: no answer")
 
-    d = AsyncEndpoint(
-        Endpoint(w.net.endpoint("D2"), reader=Reader(w.cfg, engine="D2", incarnation=3)),
+    d = AsyncBinding(
+        Binding(w.net.endpoint("D2"), reader=Reader(w.cfg, engine="D2", incarnation=3)),
         connector=unreachable,
     )
     d.track("d-1", w.p.grant("p-1"))
@@ -376,9 +376,9 @@ async def test_ucx_lease_renewed_read_exact_bytes_done_frees(
     async def connector(connect: Connect) -> bytes:
         return bytes(p_tr.metadata())
 
-    p = AsyncEndpoint(Endpoint(p_tr, holder=Holder(cfg, engine="P", incarnation=1)))
-    d = AsyncEndpoint(
-        Endpoint(d_tr, reader=Reader(cfg, engine="D", incarnation=2)), connector=connector
+    p = AsyncBinding(Binding(p_tr, holder=Holder(cfg, engine="P", incarnation=1)))
+    d = AsyncBinding(
+        Binding(d_tr, reader=Reader(cfg, engine="D", incarnation=2)), connector=connector
     )
     ticket = p.grant("p-1")
     d.track("d-1", ticket)
@@ -415,7 +415,7 @@ async def test_ucx_lease_renewed_read_exact_bytes_done_frees(
 
 
 def _reader_child(conn: Connection) -> None:
-    """Child process: a reader core on UCX, driven by AsyncEndpoint in its own loop."""
+    """Child process: a reader core on UCX, driven by AsyncBinding in its own loop."""
     asyncio.run(_reader_main(conn))
 
 
@@ -429,8 +429,8 @@ async def _reader_main(conn: Connection) -> None:
     async def connector(connect: Connect) -> bytes:
         return bytes(holder_meta)
 
-    d = AsyncEndpoint(
-        Endpoint(transport, reader=Reader(LeaseConfig(**cfg), engine="D", incarnation=2)),
+    d = AsyncBinding(
+        Binding(transport, reader=Reader(LeaseConfig(**cfg), engine="D", incarnation=2)),
         connector=connector,
     )
     d.track("d-1", LeaseTicket.from_params(params))
@@ -458,13 +458,13 @@ async def test_ucx_killed_reader_process_frees_the_lease_within_1s() -> None:
     proc.start()
     transport = UcxTransport(name_prefix="holder")
     events: list[Happened] = []
-    p = AsyncEndpoint(
-        Endpoint(transport, holder=Holder(LeaseConfig(**UCX_CFG), engine="P", incarnation=1)),
+    p = AsyncBinding(
+        Binding(transport, holder=Holder(LeaseConfig(**UCX_CFG), engine="P", incarnation=1)),
         on_event=events.append,
     )
     try:
         reader_meta = await asyncio.to_thread(_recv, parent, 60.0)
-        p.endpoint.transport.add_peer(reader_meta)  # the side channel's introduction
+        p.binding.transport.add_peer(reader_meta)  # the side channel's introduction
         ticket = p.grant("p-1")
         parent.send((transport.metadata(), ticket.to_params(), UCX_CFG))
         assert await asyncio.to_thread(_recv, parent, 30.0) == "tracking"

@@ -1,6 +1,6 @@
 """A child-process node that also runs the lease cores over its NixlTransports.
 
-Each lease endpoint is the real binding (:class:`kvproto_binding.endpoint.Endpoint`)
+Each lease endpoint is the real binding (:class:`kvproto_binding.step.Binding`)
 stepped with ``time.monotonic()`` every tick of the node loop. A holder engine
 gets its own side-channel server and adds every reader that introduces itself;
 a reader engine answers the core's ``Connect`` with a non-blocking
@@ -17,12 +17,12 @@ from kvproto.config import LeaseConfig
 from kvproto.holder import Holder
 from kvproto.reader import Reader
 from kvproto.ticket import LeaseTicket
-from kvproto_binding.endpoint import Endpoint
 from kvproto_binding.sidechannel import (
     HandshakeClient,
     HandshakeSucceeded,
     SideChannelServer,
 )
+from kvproto_binding.step import Binding
 from tests.transports.nixl.node import Node
 
 COMPAT = b"kvproto-lease-e2e"
@@ -33,7 +33,7 @@ class LeaseNode(Node):
 
     def __init__(self) -> None:
         super().__init__()
-        self.endpoints: dict[str, Endpoint] = {}
+        self.endpoints: dict[str, Binding] = {}
         self.servers: dict[str, SideChannelServer] = {}
         self.clients: dict[str, HandshakeClient] = {}
         self.holder_ports: dict[str, int] = {}
@@ -50,7 +50,7 @@ class LeaseNode(Node):
         Its side-channel server (bound to ``host``) serves rank 0 and collects introductions.
         """
         holder = Holder(LeaseConfig(**config), engine=engine, incarnation=1)
-        self.endpoints[key] = Endpoint(self.transports[key], holder=holder)
+        self.endpoints[key] = Binding(self.transports[key], holder=holder)
         self.bound.add(key)
         self.freed[key] = []
         server = SideChannelServer(host=host, base_port=0, compat_hash=COMPAT)
@@ -72,7 +72,7 @@ class LeaseNode(Node):
         ``holder_hosts`` names a holder's side-channel address (default 127.0.0.1).
         """
         reader = Reader(LeaseConfig(**config), engine=engine, incarnation=1)
-        self.endpoints[key] = Endpoint(self.transports[key], reader=reader)
+        self.endpoints[key] = Binding(self.transports[key], reader=reader)
         self.bound.add(key)
         self.holder_ports.update(holder_ports)
         self.holder_hosts.update(holder_hosts or {})

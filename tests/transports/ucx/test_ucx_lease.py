@@ -17,7 +17,7 @@ from kvproto.config import LeaseConfig
 from kvproto.events import ReadGo, ReleaseReason
 from kvproto.holder import Holder
 from kvproto.reader import Reader
-from kvproto_binding.endpoint import Endpoint
+from kvproto_binding.step import Binding
 from kvproto_transports.conformance.hostmem import HostMemory
 from kvproto_transports.ucx import UcxTransport, ucx_available, unavailable_reason
 
@@ -30,7 +30,7 @@ REGIONS, BLOCK, BLOCKS = 2, 4096, 16
 
 
 @pytest.fixture
-def world() -> Iterator[tuple[Endpoint, Endpoint, HostMemory, HostMemory]]:
+def world() -> Iterator[tuple[Binding, Binding, HostMemory, HostMemory]]:
     p_tr, d_tr = UcxTransport(name_prefix="holder"), UcxTransport(name_prefix="reader")
     p_mem, d_mem = HostMemory(), HostMemory()
     try:
@@ -39,8 +39,8 @@ def world() -> Iterator[tuple[Endpoint, Endpoint, HostMemory, HostMemory]]:
                 mem.allocate(num_regions=REGIONS, block_len=BLOCK, num_blocks=BLOCKS)
             )
         cfg = LeaseConfig(kv_lease_duration=6, read_margin=1.0, ack_timeout=2.0)
-        p = Endpoint(p_tr, holder=Holder(cfg, engine="P", incarnation=1))
-        d = Endpoint(d_tr, reader=Reader(cfg, engine="D", incarnation=2))
+        p = Binding(p_tr, holder=Holder(cfg, engine="P", incarnation=1))
+        d = Binding(d_tr, reader=Reader(cfg, engine="D", incarnation=2))
         p_tr.add_peer(d_tr.metadata())  # the side channel's introduction
         yield p, d, p_mem, d_mem
     finally:
@@ -48,7 +48,7 @@ def world() -> Iterator[tuple[Endpoint, Endpoint, HostMemory, HostMemory]]:
         d_tr.close()
 
 
-def _run(p: Endpoint, d: Endpoint, seconds: float, results: dict[str, list[object]]) -> None:
+def _run(p: Binding, d: Binding, seconds: float, results: dict[str, list[object]]) -> None:
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         now = time.monotonic()
@@ -64,7 +64,7 @@ def _run(p: Endpoint, d: Endpoint, seconds: float, results: dict[str, list[objec
 
 
 def test_queued_past_the_lease_then_one_read_and_done_frees(
-    world: tuple[Endpoint, Endpoint, HostMemory, HostMemory],
+    world: tuple[Binding, Binding, HostMemory, HostMemory],
 ) -> None:
     p, d, p_mem, d_mem = world
     assert p.holder is not None and d.reader is not None

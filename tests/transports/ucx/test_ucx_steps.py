@@ -18,7 +18,7 @@ from kvproto.transport import ReadCompleted, Received, TransportEvent
 from kvproto_transports.conformance.hostmem import HostMemory
 from kvproto_transports.ucx import ucx_available, unavailable_reason
 from kvproto_transports.ucx.plan import plan_read
-from kvproto_transports.ucx.shared import Connect, Read, ReadOp, Register, Shared, Stop
+from kvproto_transports.ucx.shared import AddPeer, Read, ReadOp, Register, Shared, Stop
 from kvproto_transports.ucx.steps import DEFAULT_UCX_OPTIONS, EngineConfig, Steps
 
 pytestmark = [
@@ -70,8 +70,8 @@ def _step_until(sides: tuple[Side, Side], done: Callable[[], bool], timeout_s: f
 
 
 def _connect(a: Side, b: Side, *, rkeys: tuple[bytes, ...] = ()) -> None:
-    a.steps.commands.append(Connect(peer=b.name, address=b.address, rkeys=rkeys))
-    b.steps.commands.append(Connect(peer=a.name, address=a.address, rkeys=()))
+    a.steps.commands.append(AddPeer(peer=b.name, address=b.address, rkeys=rkeys))
+    b.steps.commands.append(AddPeer(peer=a.name, address=a.address, rkeys=()))
 
 
 def test_a_notification_arrives_from_the_steps_alone(sides: tuple[Side, Side]) -> None:

@@ -205,7 +205,7 @@ class _Engine:
         state = {"running": running, "waiting": waiting, "held": held}
         kv = importlib.import_module("vllm.distributed.kv_transfer.kv_transfer_state")
         worker = getattr(kv.get_kv_transfer_group(), "_worker", None)  # kvproto's WorkerSide
-        if worker is not None and worker.holder_side is not None:
+        if worker is not None and worker.holder_worker is not None:
             counts = worker.stats_snapshot()
             state.update((k, counts.get(f"holder_{k}", 0)) for k in LEASE_ENDS)
         return state

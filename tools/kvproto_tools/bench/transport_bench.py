@@ -1,6 +1,6 @@
 """Transport overhead: kvproto over a transport beside the same transport's raw calls.
 
-Loopback is always measured here (the binding :class:`Endpoint` driving a
+Loopback is always measured here (the binding :class:`Binding` driving a
 real holder and reader over two loopback endpoints, beside bare
 ``send``/``poll``/``read_blocks`` with payloads of the same size). NIXL and
 UCX bring their own ``measure_overhead()`` (written with their transports);
@@ -20,7 +20,7 @@ from kvproto.config import LeaseConfig
 from kvproto.events import SendFrame
 from kvproto.holder import Holder
 from kvproto.reader import Reader
-from kvproto_binding.endpoint import Endpoint
+from kvproto_binding.step import Binding
 from kvproto_tools.bench.figures import Figure
 from kvproto_tools.bench.plan import Plan
 from kvproto_tools.bench.timing import paired_ns, quiet_gc
@@ -52,8 +52,8 @@ class _Loop:
         reader = Reader(config, engine="D", incarnation=2)
         self.holder = holder
         self.reader = reader
-        self.p = Endpoint(self.p_ep, holder=holder)
-        self.d = Endpoint(self.d_ep, reader=reader)
+        self.p = Binding(self.p_ep, holder=holder)
+        self.d = Binding(self.d_ep, reader=reader)
         self.d_to_p = self.d_ep.add_peer(self.p_ep.metadata())
         self.p_to_d = self.p_ep.add_peer(self.d_ep.metadata())
         self.interval = config.heartbeat_interval

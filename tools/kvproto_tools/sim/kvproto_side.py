@@ -1,7 +1,7 @@
 """kvproto's side: the real core, one Holder and one Reader per rank, behind the binding.
 
 :class:`kvproto.holder.Holder` and :class:`kvproto.reader.Reader` run through
-:class:`kvproto_binding.endpoint.Endpoint` over the engine's simulated
+:class:`kvproto_binding.step.Binding` over the engine's simulated
 endpoints, exactly as a deployment runs them.
 """
 
@@ -16,7 +16,7 @@ from kvproto.events import ReadDeclined, ReadDeferred
 from kvproto.holder import Holder
 from kvproto.reader import Reader
 from kvproto.ticket import LeaseTicket
-from kvproto_binding.endpoint import Endpoint, StepResult
+from kvproto_binding.step import Binding, StepResult
 from kvproto_tools.sim.sides import HandshakeAsk, HeldBlocks, ReadJob, ReadStart, Side
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ class KvprotoSide(Side):
         self.renew_extension = config.lease_extension
         self.holders: list[Holder] = []
         self.readers: list[Reader] = []
-        self.bindings: list[Endpoint] = []
+        self.bindings: list[Binding] = []
         for rank, tr in enumerate(transports):
             holder = Holder(
                 config,
@@ -64,7 +64,7 @@ class KvprotoSide(Side):
             )
             self.holders.append(holder)
             self.readers.append(reader)
-            self.bindings.append(Endpoint(tr, holder=holder, reader=reader))
+            self.bindings.append(Binding(tr, holder=holder, reader=reader))
         self._lease_of: dict[str, int] = {}
         self._reading: dict[str, set[int]] = {}
         """Request → reader ranks whose reads started while another rank's was deferred."""

@@ -43,7 +43,7 @@ from kvproto.holder import Holder
 from kvproto.reader import Reader
 from kvproto.ticket import LeaseTicket
 from kvproto.transport import PeerId, Received, WriteCompleted, WriteFailed, WriteId
-from kvproto_binding.endpoint import Endpoint
+from kvproto_binding.step import Binding
 from kvproto_tools.sim.engine import RunResult
 from kvproto_tools.sim.memory import BlockPool, block_bytes, block_len, rank_heads
 from kvproto_tools.sim.model import Metrics
@@ -168,13 +168,13 @@ class PushSimulator:
         if self.spec.prefill_crash is not None:
             self.at(self.spec.prefill_crash, self._crash)
 
-    def _endpoints(self) -> tuple[Endpoint | None, Endpoint | None]:
+    def _endpoints(self) -> tuple[Binding | None, Binding | None]:
         """kvproto: D's holder and P's writer, each through the binding (None, None else)."""
         if not self.kvproto:
             return None, None
         holder = Holder(KVPROTO_CONFIG, engine="D0", incarnation=1)
         writer = Reader(KVPROTO_CONFIG, engine="P0", incarnation=1)
-        return Endpoint(self.d, holder=holder), Endpoint(self.p, reader=writer)
+        return Binding(self.d, holder=holder), Binding(self.p, reader=writer)
 
     def _requests(self, base: str) -> tuple[dict[str, PushReq], dict[str, float]]:
         """The run's requests (the same under every policy) and P's queue wait for each."""

@@ -29,7 +29,7 @@ from kvproto.transport import (
     TransportEvent,
     UnknownPeer,
 )
-from kvproto_binding.endpoint import frame_tag
+from kvproto_binding.step import frame_tag
 from kvproto_transports.forwarding import ForwardingTransport
 from kvproto_transports.loopback import LoopbackTransport
 

@@ -114,8 +114,8 @@ class Shared:
 # dataclass took ~0.8 us (its __init__ sets each field through object.__setattr__).
 
 
-class Connect(msgspec.Struct, frozen=True, kw_only=True):
-    """Open (or reopen) the connection to an added peer."""
+class AddPeer(msgspec.Struct, frozen=True, kw_only=True):
+    """``add_peer``: open (or reopen) the connection to the peer."""
 
     peer: PeerId
     """The added peer."""
@@ -134,7 +134,7 @@ class Refresh(msgspec.Struct, frozen=True, kw_only=True):
     """Its packed remote keys now."""
 
 
-class Disconnect(msgspec.Struct, frozen=True, kw_only=True):
+class RemovePeer(msgspec.Struct, frozen=True, kw_only=True):
     """``remove_peer``: close our endpoint to it, fail its reads, report nothing."""
 
     peer: PeerId
@@ -190,4 +190,4 @@ class Stop(msgspec.Struct, frozen=True):
     """Tear everything down and end the thread."""
 
 
-Command = Connect | Refresh | Disconnect | Send | Read | Register | Stop
+Command = AddPeer | Refresh | RemovePeer | Send | Read | Register | Stop

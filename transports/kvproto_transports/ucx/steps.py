@@ -61,13 +61,13 @@ from ._ucp import UCS_INPROGRESS, UCS_OK, Ucp, UcpError, load_ucp
 from ._ucxx import load_ucxx
 from .errors import RegistrationError
 from .shared import (
+    AddPeer,
     Command,
-    Connect,
-    Disconnect,
     Read,
     ReadOp,
     Refresh,
     Register,
+    RemovePeer,
     Send,
     Shared,
     Stop,
@@ -269,11 +269,11 @@ class Steps:
             self.send(cmd.peer, cmd.payload)
         elif isinstance(cmd, Read):
             self._start_read(cmd.op)
-        elif isinstance(cmd, Connect):
+        elif isinstance(cmd, AddPeer):
             self._connect(cmd)
         elif isinstance(cmd, Refresh):
             self._refresh(cmd)
-        elif isinstance(cmd, Disconnect):
+        elif isinstance(cmd, RemovePeer):
             conn = self._conns.get(cmd.peer)
             if conn is not None:
                 self._drop_conn(conn, "peer removed")
@@ -282,7 +282,7 @@ class Steps:
         elif isinstance(cmd, Stop):
             self.stopping = True
 
-    def _connect(self, cmd: Connect) -> None:
+    def _connect(self, cmd: AddPeer) -> None:
         old = self._conns.get(cmd.peer)
         if old is not None:
             if old.rkeys_packed != cmd.rkeys:

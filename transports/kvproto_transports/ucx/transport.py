@@ -54,12 +54,12 @@ from .engine import DEFAULT_UCX_OPTIONS, Engine, EngineConfig
 from .errors import Backpressure, RegistrationError
 from .plan import plan_read
 from .shared import (
-    Connect,
-    Disconnect,
+    AddPeer,
     Read,
     ReadOp,
     Refresh,
     Register,
+    RemovePeer,
     Shared,
     UcxStats,
 )
@@ -240,7 +240,7 @@ class UcxTransport(Transfers):
             if old is None or lost:
                 self._shared.clear_lost(meta.peer)
                 self._engine.submit(
-                    Connect(peer=meta.peer, address=meta.worker_address, rkeys=meta.rkeys)
+                    AddPeer(peer=meta.peer, address=meta.worker_address, rkeys=meta.rkeys)
                 )
             else:
                 self._engine.submit(Refresh(peer=meta.peer, rkeys=meta.rkeys))
@@ -257,7 +257,7 @@ class UcxTransport(Transfers):
             if self._peers.pop(peer, None) is None:
                 return
             self._shared.clear_lost(peer)
-            self._engine.submit(Disconnect(peer=peer))
+            self._engine.submit(RemovePeer(peer=peer))
 
     # --- notifications ---------------------------------------------------
 

@@ -23,7 +23,7 @@ from .metadata import Grant
 log = logging.getLogger("vllm.kvproto_connector.holder")
 
 
-class HolderSide:
+class HolderWorker:
     """The holder half of one worker rank."""
 
     def __init__(

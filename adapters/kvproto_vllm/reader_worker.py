@@ -15,7 +15,7 @@ plumbs and keeps vLLM's reporting rules:
 * A request aborted while its read is in flight is reported only once the
   read has ended (its verdict), so no READ can land in blocks vLLM reused; a
   request that failed while its read is in flight reaches us only then too
-  (the binding holds the failure: ``Endpoint``).
+  (the binding holds the failure: ``Binding``).
 * A failure before the blocks were allocated (handshake refused, lease lost
   while queued) is remembered and reported when the ``Recv`` arrives.
 """
@@ -30,13 +30,13 @@ from typing import cast
 from kvproto.events import ReadDeclined, ReadDeferred, RequestFailed
 from kvproto.reader import Reader
 from kvproto.transport import TransportError
-from kvproto_binding.endpoint import Endpoint, StepResult
 from kvproto_binding.sidechannel import (
     CompatMismatch,
     HandshakeClient,
     HandshakeFailed,
     HandshakeSucceeded,
 )
+from kvproto_binding.step import Binding, StepResult
 
 from .block_parts import CannotRegroup, PagedRegions
 from .metadata import Recv, Track
@@ -70,7 +70,7 @@ class ReaderCounters:
     """Reads the transport refused synchronously (layout mismatch...)."""
 
 
-class ReaderSide:
+class ReaderWorker:
     """The reader half of one worker rank."""
 
     def __init__(
@@ -86,7 +86,7 @@ class ReaderSide:
         (such reads then fail, and their requests are recomputed)."""
         self.reader = reader
         self.client = client
-        self.endpoint: Endpoint | None = None
+        self.binding: Binding | None = None
         self.counters = ReaderCounters()
         self._record = record
         self._pages = pages
@@ -161,7 +161,7 @@ class ReaderSide:
     # ------------------------------------------------------------ the loop
 
     def poll_handshakes(self, now: float) -> None:
-        assert self.endpoint is not None
+        assert self.binding is not None
         if not self._handshakes and not self._refusal_queued:
             return
         self._refusal_queued = False
@@ -174,7 +174,7 @@ class ReaderSide:
             engine, rank = cast(tuple[str, int], res.peer_key)
             if isinstance(res, HandshakeSucceeded):
                 try:
-                    self.endpoint.connected(
+                    self.binding.connected(
                         now, engine=engine, rank=rank, metadata=res.reply.metadata
                     )
                     self._record("connected", engine, f"rank {rank}, {res.attempts} attempt(s)")
@@ -183,7 +183,7 @@ class ReaderSide:
                     log.error("holder %s rank %d: unusable metadata: %s", engine, rank, exc)
             else:
                 self._handshake_failed(res)
-            self.endpoint.connect_failed(now, engine=engine, rank=rank)
+            self.binding.connect_failed(now, engine=engine, rank=rank)
 
     def _handshake_failed(self, res: HandshakeFailed) -> None:
         self.counters.handshake_failures += 1
@@ -220,8 +220,8 @@ class ReaderSide:
             host, port = self._holders.get(connect.engine, ("", 0))
             key: Hashable = (connect.engine, connect.rank)
             if not host:
-                assert self.endpoint is not None
-                self.endpoint.connect_failed(now, engine=connect.engine, rank=connect.rank)
+                assert self.binding is not None
+                self.binding.connect_failed(now, engine=connect.engine, rank=connect.rank)
                 continue
             if self.client.submit(key, host, port + connect.rank, connect.rank):
                 self._handshakes[key] = self._handshakes.get(key, 0) + 1
@@ -244,7 +244,7 @@ class ReaderSide:
         """Issue every planned read whose holder sessions are open; whether any started.
 
         A deferred read stays planned and is tried again at every later pump."""
-        assert self.endpoint is not None
+        assert self.binding is not None
         if not self._reads:
             return False  # most pumps: nothing planned, no list to build
         started = False
@@ -266,7 +266,7 @@ class ReaderSide:
                 started = True
                 continue
             try:
-                decision = self.endpoint.start_read(
+                decision = self.binding.start_read(
                     now,
                     rid,
                     local_blocks=read.recv.local_block_ids,

@@ -12,7 +12,7 @@ The incarnation is drawn here, once per engine start, and sent to the
 workers with every step, so all TP ranks' Holders agree with the tickets.
 
 Bidirectional turn 2 (``bidirectional_kv_xfer``) uses the same minting on the
-decode engine: :meth:`Producer.request_finished` with ``turn2=True`` keeps a
+decode engine: :meth:`HolderScheduler.request_finished` with ``turn2=True`` keeps a
 finished decode request's blocks (prompt and output) for
 ``decoder_kv_blocks_ttl`` and returns stock's turn-2 fields
 (``do_remote_decode``, D's block ids and address, ``remote_num_tokens``) plus
@@ -40,7 +40,7 @@ from .metadata import Grant
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
-log = logging.getLogger("vllm.kvproto_connector.producer")
+log = logging.getLogger("vllm.kvproto_connector.holder_scheduler")
 
 TRUNCATED_KEY = "_p_side_truncated"
 """Stock's kv_transfer_params flag: this prefill was cut short by the backoff already."""
@@ -75,7 +75,7 @@ def sampling_parent(request_id: str) -> str | None:
     return parent if sep and parent and index.isdigit() else None
 
 
-class Producer:
+class HolderScheduler:
     """Ticket minting for one prefill engine."""
 
     def __init__(

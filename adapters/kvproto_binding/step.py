@@ -1,7 +1,7 @@
 """The binding: the small loop between a Transport and the sans-I/O cores.
 
 aioquic's ``asyncio/protocol.py`` in miniature. The binding owns nothing but
-plumbing: every :meth:`Endpoint.step` it
+plumbing: every :meth:`Binding.step` it
 
 1. polls the transport and feeds what arrived into the cores (frames to the
    holder or the reader by message kind, lost peers to both, read results to
@@ -12,10 +12,10 @@ plumbing: every :meth:`Endpoint.step` it
 
 The caller supplies ``now`` (so the loopback simulator and real deployments
 use the same code) and answers :class:`~kvproto.events.Connect` requests by
-calling :meth:`Endpoint.connected` once it has the holder's transport
+calling :meth:`Binding.connected` once it has the holder's transport
 metadata (from the side channel, or directly for loopback).
 
-One endpoint serves one engine rank. It may host a holder, a reader or both
+One binding serves one engine rank. It may host a holder, a reader or both
 (bidirectional turn-2 blocks), which share the transport: native frames are
 routed by their message tag, stock-vLLM text frames go to the holder.
 """
@@ -76,7 +76,7 @@ def frame_tag(data: bytes) -> int | None:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepResult:
-    """What one :meth:`Endpoint.step` produced for the engine."""
+    """What one :meth:`Binding.step` produced for the engine."""
 
     freed: tuple[FreeBlocks, ...] = ()
     """Holder: blocks the engine may reuse now."""
@@ -85,7 +85,7 @@ class StepResult:
     confirmed: tuple[str, ...] = ()
     """Reader: requests whose loaded blocks are safe to use."""
     connects: tuple[Connect, ...] = ()
-    """Reader: holders to make reachable (answer with :meth:`Endpoint.connected`)."""
+    """Reader: holders to make reachable (answer with :meth:`Binding.connected`)."""
     fenced: tuple[WriteFenced, ...] = ()
     """Holder, writable leases (push mode): ended while a writer may still write; the
     request recomputes, the blocks wait for their ``freed`` entry."""
@@ -119,7 +119,7 @@ class BindingStats:
     dropped_sends: int = 0
     """Frames the transport refused for another reason (back-pressure); the protocol repeats."""
     unroutable: int = 0
-    """Frames for a role this endpoint does not host."""
+    """Frames for a role this binding does not host."""
     failures_held: int = 0
     """Request failures held back until the request's reads in flight ended."""
 
@@ -145,7 +145,7 @@ def part_slice(within: BlockSlice, part: int, parts: int) -> BlockSlice:
     return BlockSlice(index=part * within.parts + within.index, parts=parts * within.parts)
 
 
-class Endpoint:
+class Binding:
     """Binds one transport endpoint to an engine rank's holder and/or reader."""
 
     def __init__(
@@ -156,7 +156,7 @@ class Endpoint:
         reader: Reader | None = None,
     ) -> None:
         if holder is None and reader is None:
-            raise LocalProtocolError("an endpoint needs a holder, a reader or both")
+            raise LocalProtocolError("a binding needs a holder, a reader or both")
         self.transport = transport
         self.holder = holder
         self.reader = reader
@@ -500,7 +500,7 @@ class Endpoint:
 
     def _need_reader(self) -> Reader:
         if self.reader is None:
-            raise LocalProtocolError("this endpoint hosts no reader")
+            raise LocalProtocolError("this binding hosts no reader")
         return self.reader
 
 

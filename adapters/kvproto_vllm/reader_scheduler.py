@@ -43,14 +43,14 @@ from .groups import (
     pair_blocks,
     single_full_group,
 )
+from .holder_scheduler import READERS_KEY
 from .metadata import Recv, Track
-from .producer import READERS_KEY
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.request import Request
 
-log = logging.getLogger("vllm.kvproto_connector.consumer")
+log = logging.getLogger("vllm.kvproto_connector.reader_scheduler")
 
 ABORT_LINGER_S = 1.0
 """How long the engine keeps stepping after a tracked request left before it was read.
@@ -79,7 +79,7 @@ class _Tracked:
     planned: bool = False
 
 
-class Consumer:
+class ReaderScheduler:
     """Request tracking and read planning for one decode engine."""
 
     def __init__(
