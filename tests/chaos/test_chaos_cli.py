@@ -19,6 +19,8 @@ from tests.sim.test_cli_errors import kvproto, one_error_line
         (["--out", "{tmp}", "--duration", "3 weeks"], "a number with s, m or h"),
         (["--out", "{tmp}", "--seed", "one"], "--seed 'one': not an integer"),
         (["--out", "{tmp}", "--rate", "0"], "--rate 0: must be positive"),
+        (["--out", "{tmp}", "--faults", "partition,meteor"], "--faults 'partition,meteor': meteor"),
+        (["--out", "{tmp}", "--faults", ","], "--faults ',': no kind"),
         (["--out", "{tmp}", "--lease", "3"], "heartbeat interval of 0"),
         (["--out", "{tmp}", "--check"], "has no history.json or baseline.json"),
         (["--out", "{tmp}", "--bogus"], "unrecognized arguments: --bogus"),

@@ -1,11 +1,15 @@
-"""The short chaos run, as CI runs it: ``kvproto chaos --duration 3m`` on the real deployment.
+"""The short chaos run, as CI runs it: ``kvproto chaos --duration 2m`` on the real deployment.
 
 Two prefill engines and a decoder (``vllm serve``) behind vllm-router on hosts in
-network namespaces, three minutes of mixed load with the seed's faults (seed 1:
-a decoder killed and restarted, a link flap, a short partition, as they fit), then
-the checker and the simulator. The command's exit status is the checker's
-verdict; the report lands in pytest's terminal summary. spec/chaos.md has the
-30-minute run's figures.
+network namespaces, two minutes of mixed load with the seed's network faults (seed 8:
+a link flap, a partition longer than the lease, loss, as they fit), then the checker
+and the simulator. The command's exit status is the checker's verdict; the report
+lands in pytest's terminal summary.
+
+No kills here: a killed engine's restart under the run's load took 150-170 s on CI's
+2 cores, longer than a short run's load, which then measured an outage and nothing
+else. Kills are in the deployment tests (tests/deploy: kill -9 of D and of P) and in
+the 30-minute run, whose figures are in spec/chaos.md.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ from .conftest import REPORTS
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-SEED = 1
-DURATION = "3m"
+SEED = 8
+DURATION = "2m"
+FAULTS = "partition,loss,flap"
 
 
 def test_three_minutes_of_faults_and_traffic_leave_nothing_wrong_and_nothing_stranded(
@@ -41,7 +46,7 @@ def test_three_minutes_of_faults_and_traffic_leave_nothing_wrong_and_nothing_str
             pytest.fail(f"KVPROTO_REQUIRE_NETNS=1 but network namespaces: {why}")
         pytest.skip(f"the chaos run's hosts are network namespaces: {why}")
     started = time.monotonic()
-    argv = ["--out", str(tmp_path), "--duration", DURATION, "--seed", str(SEED)]
+    argv = ["--out", str(tmp_path), "--duration", DURATION, "--seed", str(SEED), "--faults", FAULTS]
     run = subprocess.run(
         [sys.executable, "-m", "kvproto_tools", "chaos", *argv],
         capture_output=True,
@@ -55,5 +60,5 @@ def test_three_minutes_of_faults_and_traffic_leave_nothing_wrong_and_nothing_str
     assert run.returncode == 0, f"{report}\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     verdict = msgspec.json.decode((tmp_path / "verdict.json").read_bytes(), type=Verdict)
     assert verdict.violations == [] and verdict.answers["wrong"] == 0
-    assert verdict.answers["ok"] > 50 and sum(verdict.faults.values()) >= 1, verdict.answers
+    assert verdict.answers["ok"] > 50 and sum(verdict.faults.values()) >= 2, verdict.answers
     assert (tmp_path / "chaos.png").stat().st_size > 10_000

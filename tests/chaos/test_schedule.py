@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
+
 from examples.pd_cpu.tiny_model import CORPUS
 from kvproto.config import LeaseConfig
 from kvproto_tools.chaos.schedule import (
@@ -74,3 +76,20 @@ def test_every_fault_kind_comes_once_a_cycle_with_lengths_against_the_lease() ->
             assert 0.05 <= f.loss <= 0.3
         if f.kind in ("partition", "loss"):
             assert f.target[1] == "decode-0" and f.target[0].startswith("prefill-")
+
+
+def test_a_choice_of_kinds_draws_only_those_and_all_kinds_keep_the_seeds_faults() -> None:
+    some = ("partition", "loss", "flap")
+    p = make_schedule(
+        1, 120.0, sentences=CORPUS, lease_s=LEASE, rate=1.5, warmup_s=20.0, fault_kinds=some
+    )
+    assert {f.kind for f in p.faults} == set(some) and p.fault_kinds == some
+    assert p.requests == plan(1, 120.0).requests  # the load does not depend on the kinds
+    every = make_schedule(
+        1, 120.0, sentences=CORPUS, lease_s=LEASE, rate=1.5, warmup_s=20.0, fault_kinds=FAULT_KINDS
+    )
+    assert every == plan(1, 120.0)
+    with pytest.raises(ValueError, match="choose from"):
+        make_schedule(
+            1, 120.0, sentences=CORPUS, lease_s=LEASE, rate=1.5, warmup_s=20.0, fault_kinds=("x",)
+        )

@@ -175,6 +175,7 @@ def check_schedule(history: History) -> Iterator[Violation]:
         lease_s=plan.lease_s,
         rate=history.rate,
         warmup_s=history.warmup_s,
+        fault_kinds=plan.fault_kinds,
     )
     if digest(again) != digest(plan):
         yield Violation(

@@ -34,7 +34,15 @@ from kvproto_tools.chaos.inject import Injector
 from kvproto_tools.chaos.lan import BACK, Lan
 from kvproto_tools.chaos.load import Load
 from kvproto_tools.chaos.monitor import Monitor
-from kvproto_tools.chaos.schedule import DECODE, HOST_OF, PREFILLS, Fault, Plan, make_schedule
+from kvproto_tools.chaos.schedule import (
+    DECODE,
+    FAULT_KINDS,
+    HOST_OF,
+    PREFILLS,
+    Fault,
+    Plan,
+    make_schedule,
+)
 from kvproto_tools.netns import inside, remove_stale, transport_env
 
 ENGINE_PORT, SIDE_CHANNEL_PORT = 8100, 5600
@@ -66,6 +74,8 @@ class Options:
     """Seconds of load before the first fault."""
     sample_s: float = 0.25
     """Seconds between two metrics samples."""
+    fault_kinds: tuple[str, ...] = FAULT_KINDS
+    """The kinds of fault the schedule draws from."""
 
     def plan(self, sentences: tuple[str, ...]) -> Plan:
         """The schedule these options draw, prompts made of ``sentences``."""
@@ -76,6 +86,7 @@ class Options:
             lease_s=self.lease_s,
             rate=self.rate,
             warmup_s=self.warmup_s,
+            fault_kinds=self.fault_kinds,
         )
 
 

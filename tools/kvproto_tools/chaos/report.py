@@ -17,7 +17,7 @@ from pathlib import Path
 from kvproto_tools.chaos.answers import TOLERANCE
 from kvproto_tools.chaos.checker import Reclaim, Verdict, orphan_bound
 from kvproto_tools.chaos.history import History
-from kvproto_tools.chaos.schedule import PREFILLS
+from kvproto_tools.chaos.schedule import FAULT_KINDS, PREFILLS
 from kvproto_tools.chaos.series import GRANTED, HELD, Explained, unexplained
 from kvproto_tools.chaos.trends import Slope
 
@@ -66,7 +66,8 @@ def text(history: History, verdict: Verdict, comparison: Sequence[str] = ()) -> 
     out = [
         f"kvproto chaos: seed {plan.seed}, {plan.duration_s / 60:g} min of load "
         f"(schedule {verdict.digest}), kv_lease_duration {lease} s "
-        f"(i {lease // 6} s, e {lease * 2 // 3} s)",
+        f"(i {lease // 6} s, e {lease * 2 // 3} s)"
+        + ("" if plan.fault_kinds == FAULT_KINDS else f"; faults: {', '.join(plan.fault_kinds)}"),
         f"deployment: {history.layout}; vllm-router; hosts in network namespaces, KV over "
         "NIXL (UCX TCP) on a fabric network of its own; started in "
         + ", ".join(f"{k} {v:.0f} s" for k, v in history.startup_s.items()),

@@ -128,6 +128,8 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
     """Seconds of load."""
     lease_s: int
     """``kv_lease_duration`` of the engines (the fault lengths are drawn against it)."""
+    fault_kinds: tuple[str, ...] = FAULT_KINDS
+    """The kinds the faults are drawn from (a subset of :data:`FAULT_KINDS`)."""
     requests: tuple[Request, ...]
     """The load, in time order."""
     faults: tuple[Fault, ...]
@@ -142,18 +144,26 @@ def make_schedule(
     lease_s: int,
     rate: float,
     warmup_s: float,
+    fault_kinds: tuple[str, ...] = FAULT_KINDS,
 ) -> Plan:
     """The schedule for ``seed``: load over ``duration_s`` at ``rate`` requests per second
-    plus bursts, prompts made of ``sentences``, and enough faults to fill the run after
-    ``warmup_s``."""
+    plus bursts, prompts made of ``sentences``, and enough faults of ``fault_kinds`` to
+    fill the run after ``warmup_s`` (all kinds: the same draw as before the choice
+    existed, so a seed keeps its faults)."""
+    unknown = sorted(set(fault_kinds) - set(FAULT_KINDS))
+    if unknown or not fault_kinds:
+        raise ValueError(f"fault kinds {unknown or 'none'}: choose from {', '.join(FAULT_KINDS)}")
     rng = random.Random(f"kvproto-chaos/{seed}")
     requests = _load(random.Random(f"{rng.random()}/load"), duration_s, rate, sentences)
-    faults = _faults(random.Random(f"{rng.random()}/faults"), duration_s - warmup_s, lease_s)
+    faults = _faults(
+        random.Random(f"{rng.random()}/faults"), duration_s - warmup_s, lease_s, fault_kinds
+    )
     return Plan(
         seed=seed,
         sentences=sentences,
         duration_s=duration_s,
         lease_s=lease_s,
+        fault_kinds=fault_kinds,
         requests=requests,
         faults=faults,
     )
@@ -216,13 +226,15 @@ def _load(
     return tuple(out)
 
 
-def _faults(rng: random.Random, span_s: float, lease_s: int) -> tuple[Fault, ...]:
+def _faults(
+    rng: random.Random, span_s: float, lease_s: int, fault_kinds: tuple[str, ...]
+) -> tuple[Fault, ...]:
     """More faults than fit in ``span_s`` (a fault a lease at least): the run stops early."""
     out: list[Fault] = []
     kinds: list[str] = []
     while len(out) < max(4, int(span_s / lease_s)):
         if not kinds:
-            kinds = rng.sample(FAULT_KINDS, len(FAULT_KINDS))
+            kinds = rng.sample(fault_kinds, len(fault_kinds))
         kind = kinds.pop()
         gap = round(rng.uniform(2.0, 8.0), 3)
         out.append(Fault(index=len(out), kind=kind, gap_s=gap, **_fault(kind, rng, lease_s)))
