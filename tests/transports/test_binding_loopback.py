@@ -99,9 +99,9 @@ def test_larger_local_blocks_are_read_in_parts_and_the_done_follows_the_last() -
     # One READ per part, no done attached to either; the done is its own notify-only
     # read, issued once both parts landed (a done riding one part could free P's blocks
     # while the other is still being read).
-    assert w.d_ep.counters.reads_issued == 2
+    assert w.d_ep.counters.reads_started == 2
     w.run(2.5)
-    assert w.d_ep.counters.reads_issued == 3
+    assert w.d_ep.counters.reads_started == 3
     assert [reason for _, reason in w.freed] == [ReleaseReason.DONE]
     assert [rid for _, rid in w.confirmed] == ["d-1"]
     for region in range(2):
@@ -114,7 +114,7 @@ def test_a_failed_part_fails_the_request_once_every_part_has_ended() -> None:
     w = World(d_block_len=2 * BLOCK)
     _read_in_parts(w, [4, 99, 6, 7])  # P has no block 99: part 1's READ fails in flight
     w.run(2.5)
-    assert w.d_ep.counters.reads_issued == 2  # no done was sent
+    assert w.d_ep.counters.reads_started == 2  # no done was sent
     assert w.confirmed == [] and w.failed != []
     assert ReleaseReason.DONE not in [reason for _, reason in w.freed]
 

@@ -98,7 +98,7 @@ def test_a_write_moves_the_bytes_and_the_done_fills_the_blocks() -> None:
     for region in range(2):
         for local, remote in zip([5, 6, 7], [0, 1, 2], strict=True):
             assert w.d_ep.read_block(region, remote) == bytes([region * 16 + local]) * BLOCK
-    assert w.p_ep.counters.reads_issued == 1  # the one write (loopback counts transfers)
+    assert w.p_ep.counters.reads_started == 1  # the one write (loopback counts transfers)
 
 
 def test_a_write_landing_after_the_lease_is_fenced_and_freed_only_when_it_landed() -> None:

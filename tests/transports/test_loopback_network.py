@@ -131,7 +131,7 @@ def test_drop_loses_the_configured_fraction_and_counts_it() -> None:
     net.settle()
     delivered = len(b.poll())
     assert 1300 < delivered < 1500
-    assert net.stats.sent == 2000
+    assert net.stats.notifications_sent == 2000
     assert net.stats.dropped == 2000 - delivered
     assert net.stats.delivered == delivered
     assert a.stats.dropped == 2000 - delivered
@@ -286,7 +286,7 @@ def test_send_limits_and_unknown_peers() -> None:
         a.send("C#1", b"x")
     assert a.capabilities.max_notification_size == 8
     assert b.capabilities.max_notification_size is None
-    assert net.stats.sent == 2
+    assert net.stats.notifications_sent == 2
 
 
 def test_payload_is_copied_at_send() -> None:

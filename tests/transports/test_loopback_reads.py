@@ -60,7 +60,7 @@ def test_read_copies_real_bytes_and_completes_after_round_trip_plus_transfer() -
     assert r.read_block(0, 0) == bytes([3]) * BLOCK
     assert r.read_block(1, 1) == bytes([16 + 2]) * BLOCK
     assert r.read_block(0, 2) == bytes(BLOCK)
-    assert net.stats.reads_completed == 1 and r.stats.reads_issued == 1
+    assert net.stats.reads_completed == 1 and r.stats.reads_started == 1
 
 
 def test_data_is_taken_at_completion_not_at_issue() -> None:

@@ -353,8 +353,8 @@ class LoopbackTransport(Transfers):
             notify=notify,
             write=write,
         )
-        self.counters.reads_issued += 1
-        self._net.counters.reads_issued += 1
+        self.counters.reads_started += 1
+        self._net.counters.reads_started += 1
         if lost:
             self.fail_read(read, f"{peer} was reported lost")
         else:

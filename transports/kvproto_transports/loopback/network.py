@@ -261,8 +261,8 @@ class LoopbackNetwork:
 
     def transmit(self, src: LoopbackTransport, dst: PeerId, payload: bytes) -> None:
         """Put one notification from ``src`` on the wire to ``dst``."""
-        src.counters.sent += 1
-        self.counters.sent += 1
+        src.counters.notifications_sent += 1
+        self.counters.notifications_sent += 1
         target = self._all.get(dst)
         if target is None or not target.alive:
             self._count_drop(src)

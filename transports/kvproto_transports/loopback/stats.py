@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 class LoopbackStats:
     """A snapshot of traffic counters."""
 
-    sent: int
+    notifications_sent: int
     """Notifications accepted by ``send`` (and read notifies put on the wire)."""
     delivered: int
     """Notifications put in a receiver's inbox, duplicates included."""
@@ -19,7 +19,7 @@ class LoopbackStats:
     """Extra copies created by the ``duplicate`` fault."""
     reordered: int
     """Notifications held back by the ``reorder`` fault."""
-    reads_issued: int
+    reads_started: int
     """Calls to ``read_blocks`` that returned a read id."""
     reads_completed: int
     """Reads whose data was copied (ReadCompleted)."""
@@ -33,12 +33,12 @@ class LoopbackStats:
 class Counters:
     """The mutable counters behind :class:`LoopbackStats`."""
 
-    sent: int = 0
+    notifications_sent: int = 0
     delivered: int = 0
     dropped: int = 0
     duplicated: int = 0
     reordered: int = 0
-    reads_issued: int = 0
+    reads_started: int = 0
     reads_completed: int = 0
     reads_failed: int = 0
     peers_lost: int = 0

@@ -9,13 +9,13 @@ from dataclasses import dataclass
 class MooncakeStats:
     """What one endpoint did (a copy; see ``MooncakeTransport.stats``)."""
 
-    sent: int = 0
+    notifications_sent: int = 0
     """Notifications accepted by ``send`` (read notifies not included)."""
-    received: int = 0
+    notifications_received: int = 0
     """Notifications delivered by ``poll``."""
     dropped_frames: int = 0
     """Messages received that were malformed or meant for another incarnation."""
-    reads_issued: int = 0
+    reads_started: int = 0
     """``read_blocks`` calls accepted."""
     reads_completed: int = 0
     """Reads that ended in ReadCompleted."""

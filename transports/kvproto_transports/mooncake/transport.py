@@ -281,7 +281,7 @@ class MooncakeTransport:
                 raise PeerUnreachable(f"peer {peer} is lost: {reason}")
             if not self._mailbox.send(peer, data):
                 raise Backpressure(f"notification queue to {peer} is full")
-            self._stats.sent += 1
+            self._stats.notifications_sent += 1
 
     def poll(self) -> Sequence[TransportEvent]:
         """What happened since the last call; never blocks."""
@@ -292,7 +292,7 @@ class MooncakeTransport:
                 out.append(self._events.popleft())
             for sender, payload in self._mailbox.drain():
                 out.append(Received(peer=sender, payload=payload))
-                self._stats.received += 1
+                self._stats.notifications_received += 1
             return out
 
     # --- memory and reads ------------------------------------------------
@@ -361,7 +361,7 @@ class MooncakeTransport:
                     lengths.append(seg.length)
             read_id = self._next_read
             self._next_read += 1
-            self._stats.reads_issued += 1
+            self._stats.reads_started += 1
             job = ReadJob(
                 read_id=read_id,
                 peer=peer,
