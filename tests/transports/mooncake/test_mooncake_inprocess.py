@@ -125,7 +125,7 @@ def test_garbage_on_the_notify_socket_is_counted_not_raised(
     push.close(linger=0)
     ctx.term()
     assert got == [Received(peer="stranger-1", payload=b"ok")]
-    assert a.stats.dropped_frames == 3
+    assert a.stats.frames_dropped == 3
 
 
 @needs_mooncake

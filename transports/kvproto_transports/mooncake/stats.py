@@ -13,7 +13,7 @@ class MooncakeStats:
     """Notifications accepted by ``send`` (read notifies not included)."""
     notifications_received: int = 0
     """Notifications delivered by ``poll``."""
-    dropped_frames: int = 0
+    frames_dropped: int = 0
     """Messages received that were malformed or meant for another incarnation."""
     reads_started: int = 0
     """``read_blocks`` calls accepted."""
@@ -21,7 +21,7 @@ class MooncakeStats:
     """Reads that ended in ReadCompleted."""
     reads_failed: int = 0
     """Reads that ended in ReadFailed."""
-    probes: int = 0
+    probes_sent: int = 0
     """``send_probe`` calls."""
     probes_failed: int = 0
     """``send_probe`` calls that did not return 0."""

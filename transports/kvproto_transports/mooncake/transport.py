@@ -197,9 +197,9 @@ class MooncakeTransport:
     def stats(self) -> MooncakeStats:
         """A copy of the counters."""
         with self._lock:
-            stats = replace(self._stats, dropped_frames=self._mailbox.dropped)
+            stats = replace(self._stats, frames_dropped=self._mailbox.dropped)
         if self._prober is not None:
-            stats.probes, stats.probes_failed = self._prober.probes, self._prober.failed
+            stats.probes_sent, stats.probes_failed = self._prober.probes, self._prober.failed
         return stats
 
     def metadata(self) -> bytes:
