@@ -1,1 +1,1 @@
-"""kvproto binding for vLLM: a KV connector loadable via kv_connector_module_path."""
+"""kvproto adapter for vLLM: a KV connector loadable via kv_connector_module_path."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kvproto_transports.nixl._binding import load_nixl
+from kvproto_transports.nixl._library import load_nixl
 from kvproto_transports.nixl.wire import decode_metadata
 from tests.transports.nixl.lease_node import LeaseNode
 

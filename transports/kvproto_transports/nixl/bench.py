@@ -47,7 +47,7 @@ from kvproto_transports.benchloop import (
     spin,
 )
 
-from ._binding import load_nixl
+from ._library import load_nixl
 from .transport import NixlTransport
 
 

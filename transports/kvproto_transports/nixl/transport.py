@@ -61,7 +61,7 @@ from kvproto.transport import (
 
 from ..read_args import check_block_counts, check_notify, check_regions, region_spans
 from ..transfers import Transfers, count, outcome
-from ._binding import NixlApi, load_nixl
+from ._library import NixlApi, load_nixl
 from .descriptor_ids import DescriptorIds
 from .errors import RegistrationError, WrongThread
 from .wire import (
