@@ -140,13 +140,13 @@ def wait_lost_freed(p_url: str, killed: Proc, timeout_s: float = 5.0) -> LostFre
 
     The bound is what the parts promise, counted from the moment the killed tree is
     gone: the kernel closes a process's sockets only once it has torn the process
-    down (a decoder's ~3 GiB and its threads, which on 2 loaded cores took up to
-    ~0.2 s), and before that no peer can tell it from a live one. After it the
-    worker probes its peers every ``probe_interval_s``, NIXL reports the send's
-    failure within its slack, and P sees it only inside a pump, once or twice per
-    engine step, so the longest gap between P's pumps meanwhile (its own gauge; a
-    prefill batch's step lasts up to a second on these 2 cores) adds to it, and one
-    scrape."""
+    down (a decoder's ~3 GiB and its threads: 0.76 s for one serving a request on
+    these 2 otherwise quiet cores), and before that no peer can tell it from a
+    live one. After it the worker probes its peers every ``probe_interval_s``,
+    NIXL reports the send's failure within its slack, and P sees it only inside a
+    pump, once or twice per engine step, so the longest gap between P's pumps
+    meanwhile (its own gauge; a prefill batch's step lasts up to a second on these
+    2 cores) adds to it, and one scrape."""
     from kvproto_tools.chaos.bounds import Terms, peer_lost_s
 
     start = time.monotonic()

@@ -47,8 +47,9 @@ class Terms:
     exit_s: float = 0.0
     """After a kill -9, until every process of the killed tree had exited: the kernel
     closes a process's sockets only once it has torn the process down, and until then
-    no peer can tell it from a live one. 0 where the run does not measure it (a chaos
-    run samples once a second, which covers the ~0.2 s it took on 2 loaded cores)."""
+    no peer can tell it from a live one (0.76 s for a decoder serving a request on 2
+    otherwise quiet cores). 0 where the run does not measure it: a chaos run, whose
+    scrape term is its one-second sample period."""
 
 
 PLANNING_TERMS = Terms(pump_gap_s=2.0, scrape_s=1.0)

@@ -25,7 +25,7 @@ import msgspec
 from kvproto.config import ConfigError, LeaseConfig
 from kvproto_tools.chaos import driver, report
 from kvproto_tools.chaos.checker import check
-from kvproto_tools.chaos.schedule import FAULT_KINDS
+from kvproto_tools.chaos.schedule import FAULT_KINDS, checked_kinds
 from kvproto_tools.chaos.simcompare import compare
 from kvproto_tools.outpaths import OutputPathError, check_output, writing
 
@@ -154,20 +154,17 @@ def _options(args: argparse.Namespace) -> driver.Options:
         LeaseConfig(kv_lease_duration=lease)
     except ConfigError as exc:
         raise UsageError(f"--lease {lease}: {exc}") from None
-    kinds = tuple(k.strip() for k in args.faults.split(",") if k.strip())
-    unknown = [k for k in kinds if k not in FAULT_KINDS]
-    if unknown or not kinds:
-        raise UsageError(
-            f"--faults {args.faults!r}: {', '.join(unknown) or 'no kind'}; "
-            f"choose from {', '.join(FAULT_KINDS)}"
-        )
+    try:
+        kinds = checked_kinds([k.strip() for k in args.faults.split(",") if k.strip()])
+    except ValueError as exc:
+        raise UsageError(f"--faults {args.faults!r}: {exc}") from None
     options = driver.Options(
         seed=seed,
         duration_s=duration_s(args.duration),
         out=out,
         rate=rate,
         lease_s=lease,
-        fault_kinds=tuple(dict.fromkeys(kinds)),
+        fault_kinds=kinds,
     )
     if not args.check:
         _check_machine()

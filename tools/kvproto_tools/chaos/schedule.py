@@ -150,9 +150,7 @@ def make_schedule(
     plus bursts, prompts made of ``sentences``, and enough faults of ``fault_kinds`` to
     fill the run after ``warmup_s`` (all kinds: the same draw as before the choice
     existed, so a seed keeps its faults)."""
-    unknown = sorted(set(fault_kinds) - set(FAULT_KINDS))
-    if unknown or not fault_kinds:
-        raise ValueError(f"fault kinds {unknown or 'none'}: choose from {', '.join(FAULT_KINDS)}")
+    fault_kinds = checked_kinds(fault_kinds)
     rng = random.Random(f"kvproto-chaos/{seed}")
     requests = _load(random.Random(f"{rng.random()}/load"), duration_s, rate, sentences)
     faults = _faults(
@@ -167,6 +165,14 @@ def make_schedule(
         requests=requests,
         faults=faults,
     )
+
+
+def checked_kinds(kinds: Sequence[str]) -> tuple[str, ...]:
+    """``kinds`` in their order, each once, or ValueError naming what is not a fault kind."""
+    unknown = [k for k in kinds if k not in FAULT_KINDS]
+    if unknown or not kinds:
+        raise ValueError(f"{', '.join(unknown) or 'no kind'}; choose from {', '.join(FAULT_KINDS)}")
+    return tuple(dict.fromkeys(kinds))
 
 
 def digest(plan: Plan) -> str:
