@@ -14,11 +14,10 @@ from types import ModuleType
 import pytest
 
 INSTALL_HINT = (
-    "vLLM 0.33 tests need vllm==0.33.0 (the CUDA build; it imports on a CPU-only machine) "
-    "in the running interpreter, as .ci/run builds it: python3 -m venv .venv-vllm033; "
-    ". .venv-vllm033/bin/activate; pip install vllm==0.33.0 nixl-cu12==1.5.1 pytest "
-    "pytest-asyncio hypothesis mypy; pip install --no-deps nixl==1.5.1; "
-    "pip install --no-deps -e ."
+    "vLLM 0.33 tests need vllm==0.33.0 in the running interpreter. .ci/run lays its files "
+    "(no dependencies; the CUDA stack is never loaded here) over the main venv: "
+    "pip install --no-deps --target .vllm033 vllm==0.33.0; "
+    "PYTHONPATH=.vllm033 KVPROTO_REQUIRE_VLLM033=1 pytest tests/vllm033"
 )
 REQUIRE_ENV = "KVPROTO_REQUIRE_VLLM033"
 
