@@ -105,3 +105,41 @@ def test_missing_library_names_the_extra_and_its_pins(
         assert req in line
     pinned = next(r for r in _pyproject_extra(transport) if r.startswith(library))
     assert line.count(library) == 1 and pinned in line  # no second, unpinned install line
+
+
+def test_jobs_run_the_same_cases_to_the_same_verdicts_in_case_order(tmp_path: Path) -> None:
+    alone = run_conformance("loopback", only=["T1", "T3"])
+    seen: list[str] = []
+    shared = run_conformance(
+        "loopback", only=["T1", "T3"], jobs=2, on_result=lambda r: seen.append(r.id)
+    )
+    assert shared.transport == alone.transport == "loopback"
+    assert [(c.id, c.verdict) for c in shared.cases] == [(c.id, c.verdict) for c in alone.cases]
+    assert seen == [c.id for c in alone.cases] and len(seen) > 5
+    out = kvproto(
+        "conformance",
+        "--transport",
+        "loopback",
+        "--case",
+        "T1",
+        "--jobs",
+        "2",
+        "--json",
+        str(tmp_path / "r.json"),
+    )
+    assert out.returncode == 0, out.stderr
+    assert {c["verdict"] for c in json.loads((tmp_path / "r.json").read_text())["cases"]} == {
+        "PASS"
+    }
+
+
+@pytest.mark.parametrize("jobs", ["0", "-1", "two"])
+def test_jobs_below_one_or_not_a_number_is_a_usage_error(jobs: str) -> None:
+    out = kvproto("conformance", "--transport", "loopback", "--jobs", jobs)
+    assert out.returncode == 2 and "--jobs" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_jobs_need_the_transports_name_not_a_factory_object() -> None:
+    factory = discovery.load_factory("loopback")
+    with pytest.raises(ValueError, match="entry-point name"):
+        run_conformance(factory, jobs=2)

@@ -1,4 +1,4 @@
-"""``kvproto conformance --transport NAME [--strict] [--json FILE] [--junit FILE]``.
+"""``kvproto conformance --transport NAME [--strict] [--json FILE] [--junit FILE] [--jobs N]``.
 
 Exit status: 0 when no case is FAIL, 1 when one is (a MUST failed, or a SHOULD
 under ``--strict``), 2 for usage errors: an unknown transport, a ``--case``
@@ -96,6 +96,16 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
 
 
+def _jobs(text: str) -> int:
+    try:
+        jobs = int(text)
+    except ValueError:
+        jobs = 0
+    if jobs < 1:
+        raise argparse.ArgumentTypeError(f"a whole number of processes, 1 or more: {text!r}")
+    return jobs
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (the lead's ``kvproto`` CLI may embed it as a subcommand)."""
     p = argparse.ArgumentParser(
@@ -111,6 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         metavar="ID",
         help="run only this case or group (T2, T3.2); repeatable",
+    )
+    p.add_argument(
+        "--jobs",
+        type=_jobs,
+        default=1,
+        metavar="N",
+        help="run the cases in N processes (default 1); for transports slow to start or stop",
     )
     p.add_argument("--list", action="store_true", help="list transports and cases, then exit")
     return p
@@ -129,11 +146,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise _Usage("--transport NAME is required (kvproto conformance --list shows them)")
         _check_cases(args.case)
         _check_outputs(args)
-        factory = _preflight(args.transport)
+        _preflight(args.transport)
     except _Usage as exc:
         print(f"kvproto conformance: {exc}", file=sys.stderr)
         return 2
-    report = run_conformance(factory, strict=args.strict, only=args.case)
+    report = run_conformance(args.transport, strict=args.strict, only=args.case, jobs=args.jobs)
     print_table(report)
     try:
         if args.json:
