@@ -172,7 +172,10 @@ def _deployment(cluster: ModuleType, model: Any, work: Path, lan: Lan, lease_s: 
         lease_s=lease_s,
         # NIXL's UCX over TCP on the fabric interface only: shared memory would cross
         # the namespaces and bypass the faults.
-        extra_env=transport_env(BACK),
+        # PYTHONFAULTHANDLER: a worker that dies of a signal (a native crash in a transport
+        # library, say) prints every thread's Python stack to its log; without it a
+        # prefill worker once vanished mid-run with nothing in its log.
+        extra_env={**transport_env(BACK), "PYTHONFAULTHANDLER": "1"},
         router_extra=["--prefill-policy", "round_robin"],
         wrap={**wrap, "router": lan.hub.wrap},
     )
