@@ -4,7 +4,9 @@ Two prefill engines and a decoder (``vllm serve``) behind vllm-router on hosts i
 network namespaces, two minutes of mixed load with the seed's network faults (seed 8:
 a link flap, a partition longer than the lease, loss, as they fit), then the checker
 and the simulator. The command's exit status is the checker's verdict; the report
-lands in pytest's terminal summary.
+lands in pytest's terminal summary. The router alternates the two prefill engines
+(round robin), so the run is also the suite's check that two prefill engines serve
+through one router: both grant leases, and every answer equals the plain engine's.
 
 No kills here: a killed engine's restart under the run's load took 150-170 s on CI's
 2 cores, longer than a short run's load, which then measured an outage and nothing
@@ -24,6 +26,7 @@ import msgspec
 import pytest
 
 from kvproto_tools.chaos.checker import Verdict
+from kvproto_tools.chaos.history import History
 from kvproto_tools.netns import unavailable_reason
 from tests.deploy.conftest import require_deployment
 
@@ -62,3 +65,11 @@ def test_three_minutes_of_faults_and_traffic_leave_nothing_wrong_and_nothing_str
     assert verdict.violations == [] and verdict.answers["wrong"] == 0
     assert verdict.answers["ok"] > 50 and sum(verdict.faults.values()) >= 2, verdict.answers
     assert (tmp_path / "chaos.png").stat().st_size > 10_000
+    # Both prefill engines served: each one's grant counter rose (the run has no kills, so
+    # one incarnation each; the largest sample is its count).
+    grants: dict[str, float] = {}
+    for sample in History.load(tmp_path / "history.json").samples:
+        for e in sample.engines:
+            got = (e.metrics or {}).get("vllm:kvproto_holder_grants_total", 0.0)
+            grants[e.name] = max(grants.get(e.name, 0.0), got)
+    assert grants.get("prefill-0", 0) > 0 and grants.get("prefill-1", 0) > 0, grants
