@@ -39,7 +39,7 @@ DURATION = "2m"
 FAULTS = "partition,loss,flap"
 
 
-def test_three_minutes_of_faults_and_traffic_leave_nothing_wrong_and_nothing_stranded(
+def test_two_minutes_of_faults_and_traffic_leave_nothing_wrong_and_nothing_stranded(
     tmp_path: Path,
 ) -> None:
     require_deployment()
