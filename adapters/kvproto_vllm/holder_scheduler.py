@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvproto.config import LeaseConfig
-from kvproto.ticket import PARAMS_KEY, LeaseMint
+from kvproto.ticket import PARAMS_KEY, LeaseMint, LeaseTicket
 
 from .groups import TransferGroups, single_full_group
 from .metadata import Grant
@@ -90,8 +90,12 @@ class HolderScheduler:
         dcp_size: int = 1,
         pp_size: int = 1,
         groups: TransferGroups | None = None,
+        transfer_mode: str = "pull",
     ) -> None:
+        """``transfer_mode`` goes into every grant's ``kv_transfer_params``: a decoder
+        running the other mode refuses the request (recomputes it)."""
         self.lease = lease
+        self.transfer_mode = transfer_mode
         self.groups = groups if groups is not None else single_full_group()
         self.engine_id = engine_id
         self.tp_size = tp_size
@@ -206,7 +210,7 @@ class HolderScheduler:
             # Stock's absolute turn-2 deadline (this host's monotonic clock), for proxies
             # that look at it; kvproto readers judge the ticket instead.
             "remote_blocks_expiry_time": ticket.deadline if turn2 else None,
-            "transfer_mode": "pull",
+            "transfer_mode": self.transfer_mode,
             PARAMS_KEY: ticket.to_params(),
         }
         if parent is not None and prompt is not None:
@@ -215,6 +219,14 @@ class HolderScheduler:
             if len(self._siblings) > SIBLINGS_KEPT:
                 self._siblings.popitem(last=False)
         return True, params
+
+    def grant_writable(self, request_id: str) -> LeaseTicket:
+        """Push mode, D: a lease on ``request_id``'s freshly allocated blocks for the prefill
+        engine that writes them; unclaimed, it lives the claim window (``grant_ttl``)."""
+        ticket = self._mint.mint(time.monotonic(), request_id=request_id, ttl=self.lease.grant_ttl)
+        self._grants.append(Grant(request_id=request_id, ticket=ticket, writable=True))
+        self.granted += 1
+        return ticket
 
     def take_grants(self) -> list[Grant]:
         """Grants made since the last call (for this step's metadata)."""
