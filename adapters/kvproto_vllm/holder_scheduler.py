@@ -45,6 +45,11 @@ log = logging.getLogger("vllm.kvproto_connector.holder_scheduler")
 TRUNCATED_KEY = "_p_side_truncated"
 """Stock's kv_transfer_params flag: this prefill was cut short by the backoff already."""
 
+MODE_KEY = "kvproto_transfer_mode"
+"""kv_transfer_params key: the holder's ``transfer_mode``, which a decoder running the other
+mode refuses. Not stock's ``transfer_mode`` key: vllm-router 0.1.17 passes P's parameters to D
+unchanged unless that key says "push", and then only stock push's few keys."""
+
 SIBLINGS_KEPT = 1024
 """Parents of parallel-sampling children whose ticket is remembered for their siblings."""
 
@@ -210,9 +215,13 @@ class HolderScheduler:
             # Stock's absolute turn-2 deadline (this host's monotonic clock), for proxies
             # that look at it; kvproto readers judge the ticket instead.
             "remote_blocks_expiry_time": ticket.deadline if turn2 else None,
-            "transfer_mode": self.transfer_mode,
+            MODE_KEY: self.transfer_mode,
             PARAMS_KEY: ticket.to_params(),
         }
+        if self.transfer_mode == "pull":
+            # Stock's key, pull only: given "push", vllm-router 0.1.17 hands D stock push's
+            # few keys (no block ids, no ticket) instead of P's parameters as they are.
+            params["transfer_mode"] = "pull"
         if parent is not None and prompt is not None:
             params[READERS_KEY] = 1
             self._siblings[parent] = _Siblings(list(prompt), dict(params))

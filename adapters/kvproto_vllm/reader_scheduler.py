@@ -44,7 +44,7 @@ from .groups import (
     pair_blocks,
     single_full_group,
 )
-from .holder_scheduler import READERS_KEY
+from .holder_scheduler import MODE_KEY, READERS_KEY
 from .metadata import Recv, Track
 
 if TYPE_CHECKING:
@@ -280,7 +280,7 @@ def _parse(
     params: dict[str, Any], groups: TransferGroups, tp_size: int, mode: str = "pull"
 ) -> tuple[LeaseTicket, str, int, list[list[int]], int | None, int, int] | str:
     """The ticket and addressing of a remote-prefill request, or why it is unusable."""
-    theirs = params.get("transfer_mode", "pull")
+    theirs = params.get(MODE_KEY, "pull")
     if theirs != mode:
         return (
             f"its prefill engine runs transfer_mode {theirs!r}, this engine {mode!r}; set the "
