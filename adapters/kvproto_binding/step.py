@@ -453,7 +453,12 @@ class Binding:
         return any(
             (e.request_id if isinstance(e, _Parts) else e[0]) == request_id
             for e in self._reads.values()
-        ) or any(e[0] == request_id for e in self._writes.values())
+        ) or self.writing(request_id)
+
+    def writing(self, request_id: str) -> bool:
+        """Whether a write out of ``request_id``'s blocks is still in flight (push mode: the
+        writer's engine keeps those blocks until it ended, whatever its own leases say)."""
+        return any(e[0] == request_id for e in self._writes.values())
 
     def _flush(self, now: float) -> None:
         """Carry out every output until the cores are quiet.

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvproto.config import ConfigError
 
-from .config import KV_TRANSPORTS, AdapterConfig
+from .config import KV_TRANSPORTS, TRANSFER_MODES, AdapterConfig
 from .groups import TransferGroups
 
 if TYPE_CHECKING:
@@ -34,7 +34,11 @@ ADAPTER_PROTOCOL = 1
 
 
 def compat_factors(
-    vllm_config: VllmConfig, *, kv_transport: str, groups: TransferGroups | None = None
+    vllm_config: VllmConfig,
+    *,
+    kv_transport: str,
+    groups: TransferGroups | None = None,
+    transfer_mode: str = TRANSFER_MODES[0],
 ) -> dict[str, Any]:
     """The facts two engines must share for one to read the other's blocks.
 
@@ -55,6 +59,9 @@ def compat_factors(
         "num_hidden_layers": model.get_total_num_hidden_layers(),
         "cache_dtype": str(cache.cache_dtype),
         "kv_transport": kv_transport,
+        # A pull decoder reads blocks a push holder never keeps for it, and the reverse
+        # (stock's compat hash has the mode too): refused at the handshake, recomputed.
+        "transfer_mode": transfer_mode,
         "use_mla": bool(model.use_mla),
         **(
             {}
@@ -72,6 +79,7 @@ def compat_hash(factors: dict[str, Any]) -> bytes:
 
 NEIGHBOUR_VALUES: dict[str, tuple[Any, ...]] = {
     "kv_transport": KV_TRANSPORTS,
+    "transfer_mode": TRANSFER_MODES,
     "use_mla": (False, True),
     "cache_dtype": ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2"),
     "dtype": ("torch.float32", "torch.float16", "torch.bfloat16"),

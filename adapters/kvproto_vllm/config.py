@@ -13,9 +13,10 @@ rather than silently doing something else. Any other key is an error.
 (:mod:`.transport_choice`); every other key means the same with either.
 
 ``transfer_mode`` (:data:`TRANSFER_MODES`) is pull (the default: D reads P's blocks) or
-push (P writes into D's blocks). Push is refused when the engine starts until the
-adapter runs it end to end: the core, the transports and the simulator have it
-(spec/push-mode.md), this adapter does not yet.
+push (P writes into D's blocks, spec/push-mode.md). Both engines of a pair run the same
+mode (it is part of the handshake compat hash). Push is refused when the engine starts
+with what it cannot serve safely: Mooncake (its loss report is no proof that a write
+cannot land), bidirectional turn 2 (as stock), stock interop (``accept_legacy``).
 """
 
 from __future__ import annotations
@@ -38,13 +39,24 @@ KV_TRANSPORTS = ("nixl", "ucx", "mooncake")
 TRANSFER_MODES = ("pull", "push")
 """Values of ``transfer_mode`` (stock's ``kv_transfer_params`` name); pull is the default."""
 
-PUSH_NOT_READY = (
-    "transfer_mode 'push' is not available in KvprotoConnector yet: the lease core, the "
-    "transports and the simulator run push mode (spec/push-mode.md), but this vLLM adapter "
-    "does not drive it end to end; use transfer_mode 'pull' (the default), or stock "
-    "NixlPushConnector"
-)
-"""Why push mode is refused when the engine starts (ConfigError)."""
+PUSH_REFUSALS = {
+    "kv_transport": (
+        "transfer_mode 'push' cannot run over kv_transport 'mooncake': its transport infers "
+        "a lost peer from unanswered probes, which is no proof that a write can no longer "
+        "land (spec/push-mode.md section 5); use kv_transport 'nixl' or 'ucx', or "
+        "transfer_mode 'pull'"
+    ),
+    "bidirectional_kv_xfer": (
+        "transfer_mode 'push' cannot be combined with bidirectional_kv_xfer (as stock "
+        "NixlPushConnector refuses it): turn 2 reads the decoder's blocks, which push mode "
+        "does not serve; use transfer_mode 'pull' for bidirectional turns"
+    ),
+    "accept_legacy": (
+        "transfer_mode 'push' cannot be combined with accept_legacy: stock decoders pull; "
+        "use transfer_mode 'pull' to serve them"
+    ),
+}
+"""Why push mode is refused when the engine starts, per conflicting key (ConfigError)."""
 
 DEFAULT_PROBE_INTERVAL_S = 0.25
 """Seconds between the worker's transport probes (``probe_interval_s``)."""
@@ -81,6 +93,11 @@ class AdapterConfig:
     """Base port of the kvproto side channel (rank r: + dp_index * tp_size + r). Default:
     VLLM_NIXL_SIDE_CHANNEL_PORT, like stock; required with ``accept_legacy`` on a
     producer, whose stock port then serves stock-format handshakes."""
+    transfer_mode: str = TRANSFER_MODES[0]
+    """``"pull"``: D reads P's finished blocks; ``"push"``: D registers its allocated
+    blocks with P, which writes into them (spec/push-mode.md). Both engines of a pair run
+    the same mode (compat hash); a request whose ``kv_transfer_params`` name the other
+    one is recomputed."""
     bidirectional_kv_xfer: bool = False
     """Stock key: turn 2 of a conversation reads the decoder's blocks back. D keeps a
     finished request's blocks under a lease of ``decoder_kv_blocks_ttl`` and returns
@@ -110,8 +127,6 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> AdapterConfig:
     mode = values.pop("transfer_mode", TRANSFER_MODES[0])
     if mode not in TRANSFER_MODES:
         raise ConfigError(f"transfer_mode must be 'pull' or 'push', got {mode!r}")
-    if mode == "push":
-        raise ConfigError(PUSH_NOT_READY)
     unknown = sorted(set(values) - ADAPTER_KEYS - LEASE_KEYS)
     if unknown:
         raise ConfigError(
@@ -122,7 +137,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> AdapterConfig:
         lease_values["read_margin"] = _default_read_margin(lease_values)
     lease = LeaseConfig.from_mapping(lease_values)
     own = {k: v for k, v in values.items() if k in ADAPTER_KEYS}
-    return AdapterConfig(
+    adapter = AdapterConfig(
         lease=lease,
         kv_transport=_kv_transport(own.get("kv_transport", KV_TRANSPORTS[0]), lease),
         backends=_backends(own.get("backends", ("UCX",))),
@@ -135,8 +150,24 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> AdapterConfig:
             _non_negative("kv_recompute_threshold", own.get("kv_recompute_threshold", 0))
         ),
         kvproto_side_channel_port=_port(own.get("kvproto_side_channel_port")),
+        transfer_mode=mode,
         bidirectional_kv_xfer=_bidirectional(own.get("bidirectional_kv_xfer", False), lease),
     )
+    if mode == "push":
+        _check_push(adapter)
+    return adapter
+
+
+def _check_push(adapter: AdapterConfig) -> None:
+    """Refuse push mode with what it cannot serve safely (:data:`PUSH_REFUSALS`)."""
+    conflicts = {
+        "kv_transport": adapter.kv_transport == "mooncake",
+        "bidirectional_kv_xfer": adapter.bidirectional_kv_xfer,
+        "accept_legacy": adapter.lease.accept_legacy,
+    }
+    for key, conflict in conflicts.items():
+        if conflict:
+            raise ConfigError(PUSH_REFUSALS[key])
 
 
 def _default_read_margin(lease_values: Mapping[str, Any]) -> float:

@@ -109,17 +109,22 @@ class KvprotoConnector(KVConnectorBase_V1, SupportsHMA):
         # Refused here, when the engine starts, with one line naming the shape: never a
         # per-request warning followed by a silent recompute.
         self.groups = transfer_groups(vllm_config, kv_cache_config)
+        push = self.adapter_config.transfer_mode == "push"
         if self.groups.hybrid and (
-            self.adapter_config.bidirectional_kv_xfer or self.adapter_config.lease.accept_legacy
+            self.adapter_config.bidirectional_kv_xfer
+            or self.adapter_config.lease.accept_legacy
+            or push
         ):
             raise UnsupportedShape(
                 f"KvprotoConnector transfers this model's KV cache groups "
-                f"({self.groups.describe()}) in plain P/D only: bidirectional_kv_xfer and "
-                "accept_legacy need a single full-attention group"
+                f"({self.groups.describe()}) in plain pull P/D only: bidirectional_kv_xfer, "
+                "accept_legacy and transfer_mode 'push' need a single full-attention group"
             )
-        if self.adapter_config.bidirectional_kv_xfer:
+        if self.adapter_config.bidirectional_kv_xfer or push:
             # Turn 2 reverses the roles: D holds the conversation's blocks and P reads
-            # them, so every engine runs both halves (and serves its side channel).
+            # them. Push mode runs both directions at once: P holds its finished blocks
+            # (D heartbeats them) and writes into D's, which D holds for it. Either way
+            # every engine runs both halves (and serves its side channel).
             holds = reads = True
         if role == KVConnectorRole.SCHEDULER:
             from .scheduler import SchedulerSide
@@ -169,7 +174,9 @@ class KvprotoConnector(KVConnectorBase_V1, SupportsHMA):
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
-        return  # the decoder pulls; nothing is pushed
+        # Pull: the decoder reads. Push: the finished blocks are written once the decoder
+        # registered its own (the worker's pump, spec/push-mode.md), never layer by layer.
+        return
 
     def wait_for_save(self) -> None:
         return

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvproto.config import LeaseConfig
-from kvproto.ticket import PARAMS_KEY, LeaseMint
+from kvproto.ticket import PARAMS_KEY, LeaseMint, LeaseTicket
 
 from .groups import TransferGroups, single_full_group
 from .metadata import Grant
@@ -44,6 +44,11 @@ log = logging.getLogger("vllm.kvproto_connector.holder_scheduler")
 
 TRUNCATED_KEY = "_p_side_truncated"
 """Stock's kv_transfer_params flag: this prefill was cut short by the backoff already."""
+
+MODE_KEY = "kvproto_transfer_mode"
+"""kv_transfer_params key: the holder's ``transfer_mode``, which a decoder running the other
+mode refuses. Not stock's ``transfer_mode`` key: vllm-router 0.1.17 passes P's parameters to D
+unchanged unless that key says "push", and then only stock push's few keys."""
 
 SIBLINGS_KEPT = 1024
 """Parents of parallel-sampling children whose ticket is remembered for their siblings."""
@@ -90,8 +95,12 @@ class HolderScheduler:
         dcp_size: int = 1,
         pp_size: int = 1,
         groups: TransferGroups | None = None,
+        transfer_mode: str = "pull",
     ) -> None:
+        """``transfer_mode`` goes into every grant's ``kv_transfer_params``: a decoder
+        running the other mode refuses the request (recomputes it)."""
         self.lease = lease
+        self.transfer_mode = transfer_mode
         self.groups = groups if groups is not None else single_full_group()
         self.engine_id = engine_id
         self.tp_size = tp_size
@@ -206,15 +215,27 @@ class HolderScheduler:
             # Stock's absolute turn-2 deadline (this host's monotonic clock), for proxies
             # that look at it; kvproto readers judge the ticket instead.
             "remote_blocks_expiry_time": ticket.deadline if turn2 else None,
-            "transfer_mode": "pull",
+            MODE_KEY: self.transfer_mode,
             PARAMS_KEY: ticket.to_params(),
         }
+        if self.transfer_mode == "pull":
+            # Stock's key, pull only: given "push", vllm-router 0.1.17 hands D stock push's
+            # few keys (no block ids, no ticket) instead of P's parameters as they are.
+            params["transfer_mode"] = "pull"
         if parent is not None and prompt is not None:
             params[READERS_KEY] = 1
             self._siblings[parent] = _Siblings(list(prompt), dict(params))
             if len(self._siblings) > SIBLINGS_KEPT:
                 self._siblings.popitem(last=False)
         return True, params
+
+    def grant_writable(self, request_id: str) -> LeaseTicket:
+        """Push mode, D: a lease on ``request_id``'s freshly allocated blocks for the prefill
+        engine that writes them; unclaimed, it lives the claim window (``grant_ttl``)."""
+        ticket = self._mint.mint(time.monotonic(), request_id=request_id, ttl=self.lease.grant_ttl)
+        self._grants.append(Grant(request_id=request_id, ticket=ticket, writable=True))
+        self.granted += 1
+        return ticket
 
     def take_grants(self) -> list[Grant]:
         """Grants made since the last call (for this step's metadata)."""

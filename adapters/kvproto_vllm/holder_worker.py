@@ -44,6 +44,15 @@ class HolderWorker:
         self._sending: set[str] = set()
         self.bad_grants = 0
         """Tickets the holder refused to adopt (their blocks are freed at once)."""
+        self.refused_writable: list[str] = []
+        """Push mode, D: requests whose writable lease was refused (they recompute)."""
+        self._leases: dict[str, int] = {}
+        """Request id → its lease held here, until the lease ends."""
+        self._writable: set[str] = set()
+        """Push mode, D: requests whose lease a prefill engine writes (their end is a
+        load's outcome, not a free)."""
+        self._held: set[str] = set()
+        """Push mode, P: freed requests whose blocks a write still reads."""
 
     def ensure(self, incarnation: int) -> Holder:
         """The Holder for ``incarnation`` (created on the first step's metadata)."""
@@ -72,20 +81,58 @@ class HolderWorker:
             if problem is not None:
                 self._refuse(grant, problem)
                 continue
-            self.holder.adopt(now, grant.ticket)
-            self._record("granted", grant.request_id, f"lease {grant.ticket.lease}")
+            self.holder.adopt(now, grant.ticket, writable=grant.writable)
+            self._leases[grant.request_id] = grant.ticket.lease
+            if grant.writable:
+                self._writable.add(grant.request_id)
+            kind = "granted-writable" if grant.writable else "granted"
+            self._record(kind, grant.request_id, f"lease {grant.ticket.lease}")
 
     def _refuse(self, grant: Grant, why: str) -> None:
-        # Never strand the blocks: vLLM delayed their free for us, so give them back.
         self.bad_grants += 1
+        if grant.writable:
+            # Nothing will write the blocks: the request loads nothing (recompute).
+            log.error("request %s: writable lease not adopted (%s)", grant.request_id, why)
+            self.refused_writable.append(grant.request_id)
+            return
+        # Never strand the blocks: vLLM delayed their free for us, so give them back.
         log.error("request %s: lease not adopted (%s); freeing its blocks", grant.request_id, why)
         self._sending.add(grant.request_id)
         self._record("freed", grant.request_id, "NOT_ADOPTED")
 
-    def on_freed(self, freed: Iterable[FreeBlocks]) -> None:
+    def lease_of(self, request_id: str) -> int | None:
+        """The lease held here on ``request_id``'s blocks, while it has not ended."""
+        return self._leases.get(request_id)
+
+    def on_freed(
+        self, freed: Iterable[FreeBlocks], writing: Callable[[str], bool]
+    ) -> list[FreeBlocks]:
+        """Report ended leases; returns those of writable leases (push mode, D: a load's
+        outcome). A request whose blocks a write still reads (``writing``, push mode, P)
+        is reported once :meth:`release_written` finds the write ended."""
+        loads = []
         for free in freed:
-            self._sending.add(free.request_id)
-            self._record("freed", free.request_id, free.reason.name)
+            rid = free.request_id
+            self._leases.pop(rid, None)
+            if rid in self._writable:
+                self._writable.discard(rid)
+                loads.append(free)
+            elif writing(rid):
+                self._held.add(rid)
+                self._record("free-held", rid, f"{free.reason.name}: a write reads the blocks")
+            else:
+                self._sending.add(rid)
+                self._record("freed", rid, free.reason.name)
+        return loads
+
+    def release_written(self, writing: Callable[[str], bool]) -> None:
+        """Report the held frees whose write has ended."""
+        if not self._held:
+            return
+        for rid in [r for r in self._held if not writing(r)]:
+            self._held.discard(rid)
+            self._sending.add(rid)
+            self._record("freed", rid, "after the write")
 
     def take_sending(self) -> set[str]:
         """Requests whose blocks vLLM may free now (this step's finished_sending)."""

@@ -28,6 +28,9 @@ class Grant:
     """The prefill engine's request id (what finished_sending must name)."""
     ticket: LeaseTicket
     """Minted by the scheduler; every worker rank's Holder adopts it."""
+    writable: bool = False
+    """Push mode, D: a prefill engine writes the blocks (``Holder.adopt(writable=True)``);
+    the lease's end is a load's outcome (:mod:`.push_holder`), not a free."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,6 +74,9 @@ class Recv:
     filled_block_ids: list[int] = field(default_factory=list)
     """With ``ratio > 1``: every local block the read writes into, once; after the read
     its parts are put in the local page order and the parts not read are zeroed."""
+    writable: LeaseTicket | None = None
+    """Push mode: the lease this engine granted on ``local_block_ids`` (its ``Grant`` is
+    in the same step); the holder is registered and writes them, nothing is read."""
 
 
 @dataclass(slots=True, kw_only=True)

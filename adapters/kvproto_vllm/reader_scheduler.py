@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +44,7 @@ from .groups import (
     pair_blocks,
     single_full_group,
 )
-from .holder_scheduler import READERS_KEY
+from .holder_scheduler import MODE_KEY, READERS_KEY
 from .metadata import Recv, Track
 
 if TYPE_CHECKING:
@@ -89,7 +90,14 @@ class ReaderScheduler:
         bidirectional: bool = False,
         groups: TransferGroups | None = None,
         tp_size: int = 1,
+        transfer_mode: str = "pull",
+        mint_writable: Callable[[str], LeaseTicket] | None = None,
     ) -> None:
+        """``transfer_mode``: what this engine runs; a request whose holder names the other
+        mode is recomputed. ``mint_writable`` (push mode): grants the lease on a request's
+        allocated blocks that its prefill engine writes (registered instead of read)."""
+        self._mode = transfer_mode
+        self._mint_writable = mint_writable
         self._groups = groups if groups is not None else single_full_group()
         self._tp_size = tp_size
         self._threshold = recompute_threshold
@@ -114,7 +122,7 @@ class ReaderScheduler:
         rid = request.request_id
         if rid in self._tracked:
             return  # vLLM calls this once per request; be safe on a re-add
-        parsed = _parse(params, self._groups, self._tp_size)
+        parsed = _parse(params, self._groups, self._tp_size, self._mode)
         if isinstance(parsed, str):
             self.untracked += 1
             what = "the turn-2 prefix of request" if turn2 else "request"
@@ -214,6 +222,9 @@ class ReaderScheduler:
             problem = f"{exc}; recomputing"
             log.error("request %s: %s", request.request_id, problem)
             pairs = BlockPairs(local=[b for group in local for b in group], remote=[], parts=[])
+        writable = None
+        if self._mint_writable is not None and num_external_tokens > 0 and problem is None:
+            writable = self._mint_writable(request.request_id)  # push: registered, not read
         tracked.planned = True
         self._recvs.append(
             Recv(
@@ -225,6 +236,7 @@ class ReaderScheduler:
                 local_parts=pairs.parts,
                 ratio=pairs.ratio,
                 filled_block_ids=pairs.filled,
+                writable=writable,
             )
         )
         # One transfer per request, as stock (a turn-2 request keeps do_remote_decode).
@@ -265,9 +277,15 @@ class ReaderScheduler:
 
 
 def _parse(
-    params: dict[str, Any], groups: TransferGroups, tp_size: int
+    params: dict[str, Any], groups: TransferGroups, tp_size: int, mode: str = "pull"
 ) -> tuple[LeaseTicket, str, int, list[list[int]], int | None, int, int] | str:
     """The ticket and addressing of a remote-prefill request, or why it is unusable."""
+    theirs = params.get(MODE_KEY, "pull")
+    if theirs != mode:
+        return (
+            f"its prefill engine runs transfer_mode {theirs!r}, this engine {mode!r}; set the "
+            "same transfer_mode in kv_connector_extra_config on both engines"
+        )
     raw = params.get(PARAMS_KEY)
     if raw is None:
         return "no kvproto lease ticket in kv_transfer_params (a stock prefill engine?)"
@@ -294,6 +312,14 @@ def _parse(
     tp_problem = groups.hetero_tp_problem(tp_size, ticket.holder_tp_size)
     if tp_problem is not None:
         return f"cannot read {tp_problem}"
+    if mode == "push" and groups.mla and tp_size > ticket.holder_tp_size:
+        # A writer rank writes the latent to the one holder rank part_slices gives it:
+        # the other ranks of this engine would keep empty blocks.
+        return (
+            f"push mode cannot write MLA's latent KV from {ticket.holder_tp_size} prefill "
+            f"rank(s) into {tp_size} decode ranks (every decode rank needs all of it); use "
+            "transfer_mode 'pull' or equal TP sizes"
+        )
     tokens = params.get("remote_num_tokens")
     remote_tokens = tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None
     holder_block = params.get("remote_block_size", groups.block_size)
@@ -302,6 +328,11 @@ def _parse(
     ratio = block_ratio(groups.block_size, holder_block) if groups.block_size else 1
     if isinstance(ratio, str):
         return ratio
+    if ratio > 1 and mode == "push":
+        return (
+            f"blocks of {holder_block} tokens (holder) and {groups.block_size} (here): push "
+            "mode writes equal blocks only"
+        )
     if ratio > 1 and (groups.packed or SSM in groups.kinds):
         return (
             f"blocks of {holder_block} tokens (holder) and {groups.block_size} (here) with "

@@ -44,6 +44,18 @@ from .metadata import Recv, Track
 log = logging.getLogger("vllm.kvproto_connector.reader")
 
 
+@dataclass(frozen=True, slots=True)
+class RegistrationKey:
+    """The handshake key of a push-mode registration (other keys: (engine, rank))."""
+
+    request_id: str
+    """The decoder's request whose blocks are registered."""
+    engine: str
+    """The writer (prefill) engine."""
+    rank: int
+    """The writer rank it is sent to."""
+
+
 @dataclass(slots=True)
 class _Read:
     recv: Recv
@@ -70,7 +82,28 @@ class ReaderCounters:
     """Reads the transport refused synchronously (layout mismatch...)."""
 
 
-class ReaderWorker:
+class LoadReports:
+    """What a decoder half reports to vLLM about its loads (a read's, or push mode's
+    write's): finished, failed (recomputed), and the failed loads' blocks."""
+
+    def __init__(self) -> None:
+        self._recving: set[str] = set()
+        self._failed: set[str] = set()
+        self._bad_blocks: set[int] = set()
+
+    def take(self) -> tuple[set[str], set[str]]:
+        """(finished_recving, failed_recving) for this step."""
+        out = (self._recving, self._failed)
+        self._recving, self._failed = set(), set()
+        return out
+
+    def take_bad_blocks(self) -> set[int]:
+        """Local blocks of failed loads (vLLM's get_block_ids_with_load_errors)."""
+        out, self._bad_blocks = self._bad_blocks, set()
+        return out
+
+
+class ReaderWorker(LoadReports):
     """The reader half of one worker rank."""
 
     def __init__(
@@ -84,6 +117,7 @@ class ReaderWorker:
         """``pages``: this rank's registered regions as pages, for reads of larger local
         blocks from smaller holder blocks (:mod:`.block_parts`), or why there are none
         (such reads then fail, and their requests are recomputed)."""
+        super().__init__()
         self.reader = reader
         self.client = client
         self.binding: Binding | None = None
@@ -93,9 +127,6 @@ class ReaderWorker:
         self._holders: dict[str, tuple[str, int]] = {}
         self._reads: dict[str, _Read] = {}
         self._verdicts: dict[str, str | None] = {}
-        self._recving: set[str] = set()
-        self._failed: set[str] = set()
-        self._bad_blocks: set[int] = set()
         self._handshakes: dict[Hashable, int] = {}
         """Per holder rank, handshakes started (``submit`` returned True) whose result is
         not polled yet: while there are none, poll_handshakes skips the client's lock (a
@@ -103,6 +134,9 @@ class ReaderWorker:
         self._refusal_queued = False
         """A ``submit`` returned False: refused, its failure already queued for
         ``poll_results``, or already pending (no result of its own)."""
+        self.registrations_failed: list[str] = []
+        """Push mode: requests whose registration did not reach a writer rank (the
+        worker's :class:`~.push_holder.PushHolder` takes them)."""
 
     # ------------------------------------------------------------ orders
 
@@ -158,6 +192,24 @@ class ReaderWorker:
         # Not tracked or already finished: the reader counts it (stats.untracked_finishes).
         self.reader.finish(now, rid)
 
+    def add_holder(self, engine: str, host: str, port: int) -> None:
+        """Where holder ``engine``'s rank-0 side channel listens (push mode: a decoder
+        that registered blocks for this engine to write)."""
+        self._holders[engine] = (host, port)
+
+    def register(self, key: RegistrationKey, host: str, port: int, payload: bytes) -> None:
+        """Push mode: send a registration on the side channel of ``key``'s writer rank;
+        a failure shows up in :attr:`registrations_failed` after a later pump."""
+        self._submit(key, host, port, key.rank, registration=payload)
+
+    def _submit(
+        self, key: Hashable, host: str, port: int, rank: int, *, registration: bytes = b""
+    ) -> None:
+        if self.client.submit(key, host, port, rank, registration=registration):
+            self._handshakes[key] = self._handshakes.get(key, 0) + 1
+        else:
+            self._refusal_queued = True
+
     # ------------------------------------------------------------ the loop
 
     def poll_handshakes(self, now: float) -> None:
@@ -171,6 +223,11 @@ class ReaderWorker:
             started = self._handshakes.pop(res.peer_key, 0)
             if started > 1:
                 self._handshakes[res.peer_key] = started - 1
+            if isinstance(res.peer_key, RegistrationKey):
+                if isinstance(res, HandshakeFailed):
+                    self._handshake_failed(res)
+                    self.registrations_failed.append(res.peer_key.request_id)
+                continue
             engine, rank = cast(tuple[str, int], res.peer_key)
             if isinstance(res, HandshakeSucceeded):
                 try:
@@ -187,7 +244,12 @@ class ReaderWorker:
 
     def _handshake_failed(self, res: HandshakeFailed) -> None:
         self.counters.handshake_failures += 1
-        engine, rank = cast(tuple[str, int], res.peer_key)
+        key = res.peer_key
+        engine, rank = (
+            (key.engine, key.rank)
+            if isinstance(key, RegistrationKey)
+            else cast(tuple[str, int], key)
+        )
         if isinstance(res.error, CompatMismatch):
             self.counters.compat_mismatches += 1
             log.error(
@@ -218,15 +280,12 @@ class ReaderWorker:
     def on_result(self, now: float, result: StepResult) -> None:
         for connect in result.connects:
             host, port = self._holders.get(connect.engine, ("", 0))
-            key: Hashable = (connect.engine, connect.rank)
             if not host:
                 assert self.binding is not None
                 self.binding.connect_failed(now, engine=connect.engine, rank=connect.rank)
                 continue
-            if self.client.submit(key, host, port + connect.rank, connect.rank):
-                self._handshakes[key] = self._handshakes.get(key, 0) + 1
-            else:
-                self._refusal_queued = True
+            key = (connect.engine, connect.rank)
+            self._submit(key, host, port + connect.rank, connect.rank)
         for failed in result.failed:
             self._failed_request(now, failed)
         for rid in result.confirmed:
@@ -340,16 +399,9 @@ class ReaderWorker:
 
     # ------------------------------------------------------------ reporting
 
-    def take(self) -> tuple[set[str], set[str]]:
-        """(finished_recving, failed_recving) for this step."""
-        out = (self._recving, self._failed)
-        self._recving, self._failed = set(), set()
-        return out
-
-    def take_bad_blocks(self) -> set[int]:
-        """Local blocks of failed reads (vLLM's get_block_ids_with_load_errors)."""
-        out, self._bad_blocks = self._bad_blocks, set()
-        return out
+    def verdict(self, rid: str) -> str | None:
+        """Why ``rid``'s tracking failed before its blocks were allocated, if it did."""
+        return self._verdicts.get(rid)
 
     def pending(self) -> int:
         """Planned reads without a verdict yet."""

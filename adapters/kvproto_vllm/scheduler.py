@@ -65,6 +65,7 @@ class SchedulerSide:
                 dcp_size=int(parallel.decode_context_parallel_size),
                 pp_size=int(parallel.pipeline_parallel_size),
                 groups=self.groups,
+                transfer_mode=cfg.transfer_mode,
             )
         if reads:
             self.reader_scheduler = ReaderScheduler(
@@ -72,6 +73,12 @@ class SchedulerSide:
                 bidirectional=cfg.bidirectional_kv_xfer,
                 groups=self.groups,
                 tp_size=transfer_tp_size(vllm_config),
+                transfer_mode=cfg.transfer_mode,
+                mint_writable=(
+                    self.holder_scheduler.grant_writable
+                    if cfg.transfer_mode == "push" and self.holder_scheduler is not None
+                    else None
+                ),
             )
             transfer = vllm_config.kv_transfer_config
             policy = getattr(transfer, "kv_load_failure_policy", "fail")

@@ -62,6 +62,8 @@ from .groups import TransferGroups, single_full_group
 from .holder_worker import HolderWorker
 from .kv_layout import KvLayout, kv_layout
 from .metadata import KvprotoHandshakeMetadata, KvprotoMetadata
+from .push_holder import PushHolder
+from .push_writer import PushWriter
 from .reader_worker import ReaderWorker
 
 if TYPE_CHECKING:
@@ -130,7 +132,12 @@ class WorkerSide:
         )
         self.groups = groups if groups is not None else single_full_group()
         self.kv_cache_config = kv_cache_config
-        factors = compat_factors(vllm_config, kv_transport=cfg.kv_transport, groups=self.groups)
+        factors = compat_factors(
+            vllm_config,
+            kv_transport=cfg.kv_transport,
+            groups=self.groups,
+            transfer_mode=cfg.transfer_mode,
+        )
         self.compat = compat_hash(factors)
         self._neighbour_hashes = neighbour_hashes(factors)
         self._factors = factors
@@ -144,6 +151,10 @@ class WorkerSide:
         self.binding: Binding | None = None
         self.holder_worker: HolderWorker | None = None
         self.reader_worker: ReaderWorker | None = None
+        self.push_holder: PushHolder | None = None
+        """Push mode: the decoder's half (registers its blocks, reports their loads)."""
+        self.push_writer: PushWriter | None = None
+        """Push mode: the prefill engine's half (writes into registered blocks)."""
         self.events: deque[tuple[float, str, str, str]] = deque(maxlen=_EVENTS_KEPT)
         """(monotonic time, kind, request or engine id, detail): recent decisions, for
         operators' debugging and the tests."""
@@ -251,6 +262,21 @@ class WorkerSide:
             self._client = client
             if not self.holds:
                 self._make_binding()
+        if self.cfg.transfer_mode == "push":
+            # parse_extra_config and the connector make every push engine hold and read.
+            assert self.holder_worker is not None and self.reader_worker is not None
+            self.push_holder = PushHolder(
+                self.holder_worker,
+                self.reader_worker,
+                rank=self.rank,
+                tp_size=self.tp_size,
+                host=self.host,
+                port=self.base_port,
+                record=self.record,
+            )
+            self.push_writer = PushWriter(
+                self.holder_worker, self.reader_worker, record=self.record
+            )
 
     def _pages(self, registered: KvLayout) -> PagedRegions | str:
         """The registered regions as pages (reads into blocks larger than the holder's
@@ -309,8 +335,17 @@ class WorkerSide:
             self.holder_worker.adopt(now, meta.grants)
         elif meta.grants and self.holder_worker is not None:
             self.holder_worker.adopt(now, meta.grants)  # refused: freed at once
+        recvs = meta.recvs
+        if self.push_holder is not None:
+            pushed = [r for r in recvs if r.writable is not None]
+            if pushed or meta.tracks:
+                recvs = [r for r in recvs if r.writable is None]
+                self.push_holder.apply(now, meta.tracks, pushed)
         if self.reader_worker is not None:
-            self.reader_worker.apply(now, meta.tracks, meta.recvs, meta.finishes)
+            self.reader_worker.apply(now, meta.tracks, recvs, meta.finishes)
+        if self.push_holder is not None:
+            for rid in meta.finishes:
+                self.push_holder.finish(now, rid)
 
     def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) for this step."""
@@ -323,6 +358,10 @@ class WorkerSide:
         recving, failed = (
             self.reader_worker.take() if self.reader_worker is not None else (set(), set())
         )
+        if self.push_holder is not None:
+            loaded, load_failed = self.push_holder.take()
+            if loaded:
+                recving, failed = recving | loaded, failed | load_failed
         if sending or recving or failed:
             self._active = True
         return sending, recving, failed
@@ -351,7 +390,10 @@ class WorkerSide:
             self._thread = ident
 
     def take_bad_blocks(self) -> set[int]:
-        return self.reader_worker.take_bad_blocks() if self.reader_worker is not None else set()
+        bad = self.reader_worker.take_bad_blocks() if self.reader_worker is not None else set()
+        if self.push_holder is not None:
+            bad |= self.push_holder.take_bad_blocks()
+        return bad
 
     def _pump(self, now: float) -> None:
         # Heartbeats, acks and done verdicts move only here: the longest gap between
@@ -375,14 +417,29 @@ class WorkerSide:
                 except TransportError as exc:
                     self.intro_errors += 1
                     log.warning("introduction from %s refused: %s", intro.requester, exc)
+                    continue
+                if self.push_writer is not None:
+                    self.push_writer.on_introduction(now, intro)
         if self.binding is None:
             return
         if self.reader_worker is not None:
             self.reader_worker.poll_handshakes(now)
+            if self.push_holder is not None and self.reader_worker.registrations_failed:
+                self.push_holder.registrations_failed(now, self.reader_worker.registrations_failed)
         self._step(now)
         if self.reader_worker is not None and self.reader_worker.start_ready_reads(now):
             self._active = True
             self._step(now)  # declined reads and notify-only completions, this step
+        if self.push_writer is not None and self.push_writer.start_ready(now, self.binding):
+            self._active = True
+            self._step(now)  # the Arms, or the writes' refusals, this step
+
+    def _writing_from(self, request_id: str) -> bool:
+        """Push mode, P: whether a write reads ``request_id``'s blocks (never in pull)."""
+        writer, binding = self.push_writer, self.binding
+        return (
+            writer is not None and binding is not None and writer.writing_from(request_id, binding)
+        )
 
     def _idle(self) -> bool:
         """Whether start_load_kv's pump can have no work: the holder holds no lease and
@@ -402,11 +459,24 @@ class WorkerSide:
     def _step(self, now: float) -> None:
         assert self.binding is not None
         result = self.binding.step(now)
-        if not (result.freed or result.failed or result.confirmed or result.connects):
+        if self.push_writer is not None and self.holder_worker is not None:
+            # Push mode, P: a free held while a write read the blocks, whose write ended.
+            self.holder_worker.release_written(self._writing_from)
+        if not (
+            result.freed or result.failed or result.confirmed or result.connects or result.fenced
+        ):
             return  # most steps: nothing for either side
         self._active = True
+        if self.push_writer is not None:
+            result = self.push_writer.take_own(now, result)
         if self.holder_worker is not None:
-            self.holder_worker.on_freed(result.freed)
+            loads = self.holder_worker.on_freed(result.freed, self._writing_from)
+            if self.push_holder is not None:
+                self.push_holder.on_fenced(result.fenced)
+                self.push_holder.on_ended(loads)
+                for failed in result.failed:
+                    if self.push_holder.owns(failed.request_id):
+                        self.push_holder.prefill_failed(now, failed.request_id)
         if self.reader_worker is not None:
             self.reader_worker.on_result(now, result)
 
@@ -451,6 +521,13 @@ class WorkerSide:
             snap.update(counts_of(self.binding.stats, "binding_"))
         if self.server is not None:
             snap.update(counts_of(self.server.stats(), "sidechannel_"))
+        if self.push_holder is not None:
+            snap["push_registrations"] = self.push_holder.registrations
+            snap["push_fenced"] = self.push_holder.fenced
+        if self.push_writer is not None:
+            snap["push_bad_registrations"] = self.push_writer.bad_registrations
+            snap["push_written"] = self.push_writer.written
+            snap["push_write_failures"] = self.push_writer.write_failures
         snap["worker_intro_errors"] = self.intro_errors
         if self._client is not None:
             snap["worker_transport_mismatches"] = self._client.transport_mismatches

@@ -135,8 +135,13 @@ SCRAPE_S = 0.1
 """One metrics scrape of an engine plus wait_for's poll."""
 
 
-def wait_lost_freed(p_url: str, killed: Proc, timeout_s: float = 5.0) -> LostFreed:
+def wait_lost_freed(
+    p_url: str, killed: Proc, timeout_s: float = 5.0, gauges: tuple[str, ...] = ("leases_held",)
+) -> LostFreed:
     """How long after ``killed``'s kill -9 P's held-lease gauge read 0, and the bound.
+
+    ``gauges``: the holder gauges that must all read 0 (push mode's decoder holds the
+    blocks a killed prefill engine was to write: its granted and held leases).
 
     The bound is what the parts promise, counted from the moment the killed tree is
     gone: the kernel closes a process's sockets only once it has torn the process
@@ -159,7 +164,7 @@ def wait_lost_freed(p_url: str, killed: Proc, timeout_s: float = 5.0) -> LostFre
 
     watcher = threading.Thread(target=watch, name="exit-watch", daemon=True)
     watcher.start()
-    took, gap = wait_p_gauges_zero(p_url, ("leases_held",), timeout_s)
+    took, gap = wait_p_gauges_zero(p_url, gauges, timeout_s)
     watcher.join(timeout_s)
     exit_s = exited[0] if exited else timeout_s
     return LostFreed(

@@ -196,6 +196,24 @@ def test_introductions_reach_the_holder(
     assert server.poll_introductions() == []
 
 
+def test_a_registration_rides_the_first_round_trip_of_a_handshake(
+    server: SideChannelServer,
+) -> None:
+    """Push mode: a decoder's registration reaches the writer's owner with its
+    introduction, once (the later rounds are clock samples)."""
+    client = HandshakeClient(requester="decoder-3", compat_hash=COMPAT, requester_metadata=b"md")
+    try:
+        assert client.submit("reg", HOST, server.port, 1, registration=b"blocks 4 5")
+        (result,) = _wait_results(client, 1)
+        assert isinstance(result, HandshakeSucceeded)
+    finally:
+        client.close()
+    intros = server.poll_introductions()
+    assert [(i.requester, i.rank, i.metadata, i.registration) for i in intros] == [
+        ("decoder-3", 1, b"md", b"blocks 4 5")
+    ]
+
+
 def test_a_dead_holder_never_delays_a_live_one(server: SideChannelServer) -> None:
     client = HandshakeClient(
         requester="r",

@@ -25,7 +25,7 @@ from .vllm_required import require_vllm
 require_vllm()
 
 from kvproto.config import ConfigError  # noqa: E402
-from kvproto_vllm.config import parse_extra_config  # noqa: E402
+from kvproto_vllm.config import PUSH_REFUSALS, parse_extra_config  # noqa: E402
 
 from .kvproto_config import CLASS_NAME, MODULE_PATH  # noqa: E402
 
@@ -194,7 +194,13 @@ def test_extra_config() -> None:
         with pytest.raises(ConfigError):
             parse_extra_config(bad)
     assert parse_extra_config({"transfer_mode": "pull"}).lease == parse_extra_config({}).lease
-    # Push mode is refused when the engine starts, with the reason, until the adapter runs it.
-    with pytest.raises(ConfigError, match="transfer_mode 'push' is not available") as refused:
-        parse_extra_config({"transfer_mode": "push"})
-    assert "spec/push-mode.md" in str(refused.value)
+    assert parse_extra_config({"transfer_mode": "push"}).transfer_mode == "push"
+    # Push mode is refused at engine start with what it cannot serve safely, naming why.
+    for key, conflict in (
+        ("kv_transport", {"kv_transport": "mooncake"}),
+        ("bidirectional_kv_xfer", {"bidirectional_kv_xfer": True}),
+        ("accept_legacy", {"accept_legacy": True}),
+    ):
+        with pytest.raises(ConfigError) as refused:
+            parse_extra_config({"transfer_mode": "push", **conflict})
+        assert str(refused.value) == PUSH_REFUSALS[key]

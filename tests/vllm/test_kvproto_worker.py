@@ -113,10 +113,21 @@ def mint(p: WorkerSide, request_id: str) -> LeaseTicket:
 
 
 class Loop:
-    """Steps both workers like two engines would; collects what they report."""
+    """Steps both workers like two engines would; collects what they report.
 
-    def __init__(self, p: WorkerSide, d: WorkerSide) -> None:
+    ``d_incarnation``: D's holder incarnation, sent with each of its steps (push mode:
+    D holds too)."""
+
+    def __init__(
+        self,
+        p: WorkerSide,
+        d: WorkerSide,
+        *,
+        p_incarnation: int = INCARNATION,
+        d_incarnation: int | None = None,
+    ) -> None:
         self.p, self.d = p, d
+        self.p_incarnation, self.d_incarnation = p_incarnation, d_incarnation
         self.sending: list[str] = []
         self.recving: list[str] = []
         self.failed: list[str] = []
@@ -130,10 +141,10 @@ class Loop:
         step_p: bool = True,
     ) -> None:
         if step_p:
-            self.p.start_load_kv(p_meta or KvprotoMetadata(incarnation=INCARNATION))
+            self.p.start_load_kv(p_meta or KvprotoMetadata(incarnation=self.p_incarnation))
             sending, _, _ = self.p.get_transfer_results()
             self.sending += sorted(sending)
-        self.d.start_load_kv(d_meta or KvprotoMetadata())
+        self.d.start_load_kv(d_meta or KvprotoMetadata(incarnation=self.d_incarnation))
         _, recving, failed = self.d.get_transfer_results()
         self.recving += sorted(recving)
         self.failed += sorted(failed)
@@ -145,7 +156,8 @@ class Loop:
         end = time.monotonic() + timeout_s
         while not cond():
             assert time.monotonic() < end, (
-                f"{what}: not reached; D events {list(self.d.events)[-6:]}"
+                f"{what}: not reached; P events {list(self.p.events)[-6:]}, "
+                f"D events {list(self.d.events)[-6:]}"
             )
             self.step(step_p=step_p)
             time.sleep(0.002)

@@ -134,6 +134,7 @@ class _Job:
     rank: int
     start: float
     intro: bytes
+    registration: bytes
 
 
 def fetch_metadata(
@@ -146,6 +147,7 @@ def fetch_metadata(
     compat_hash: bytes,
     secret: bytes | None = None,
     requester_metadata: bytes = b"",
+    registration: bytes = b"",
     rounds: int = 3,
     timeout_s: float = 5.0,
     clock: Callable[[], float] = time.monotonic,
@@ -153,8 +155,8 @@ def fetch_metadata(
 ) -> MetadataReply:
     """``rounds`` round trips with one holder; raises a :class:`SideChannelError`.
 
-    Only the first request carries ``requester_metadata`` (the introduction);
-    the later ones exist for clock samples.
+    Only the first request carries ``requester_metadata`` (the introduction) and
+    ``registration``; the later ones exist for clock samples.
     """
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -172,6 +174,7 @@ def fetch_metadata(
                 nonce=os.urandom(16),
                 compat_hash=compat_hash,
                 requester_metadata=requester_metadata if i == 0 else b"",
+                registration=registration if i == 0 else b"",
             )
             body = wire.encode(request)
             frames = [b"", body]
@@ -299,8 +302,13 @@ class HandshakeClient:
         with self._lock:
             return set(self._pending)
 
-    def submit(self, peer_key: Hashable, host: str, port: int, rank: int) -> bool:
+    def submit(
+        self, peer_key: Hashable, host: str, port: int, rank: int, *, registration: bytes = b""
+    ) -> bool:
         """Start a handshake unless one for ``peer_key`` is pending; returns whether it started.
+
+        ``registration``: opaque bytes the holder's owner collects with the introduction
+        (:attr:`.server.Introduction.registration`).
 
         A refused start (breaker open, too many pending, client closed) is
         reported as a :class:`HandshakeFailed` by the next ``poll_results``.
@@ -341,6 +349,7 @@ class HandshakeClient:
                         rank=rank,
                         start=start,
                         intro=self._intro,
+                        registration=registration,
                     ),
                 ),
                 name=f"kvproto-handshake-{host}:{port}/{rank}",
@@ -402,6 +411,7 @@ class HandshakeClient:
                         compat_hash=self._compat,
                         secret=self._secret,
                         requester_metadata=intro,
+                        registration=job.registration,
                         rounds=self._rounds,
                         timeout_s=self._timeout,
                         clock=self._clock,

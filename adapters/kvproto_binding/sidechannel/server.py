@@ -69,7 +69,10 @@ class Introduction:
     rank: int
     """The rank it asked for."""
     metadata: bytes
-    """Its transport metadata (pass to the transport's ``add_peer``)."""
+    """Its transport metadata (pass to the transport's ``add_peer``); may be empty when
+    the request carried only a registration."""
+    registration: bytes = b""
+    """The request's ``registration`` (opaque to the side channel), or empty."""
 
 
 class SideChannelServer:
@@ -219,7 +222,7 @@ class SideChannelServer:
             metadata = self._metadata.get(req.rank)
             if metadata is not None:
                 self._stats.replies_ok += 1
-                if req.requester_metadata:
+                if req.requester_metadata or req.registration:
                     if len(self._intros) >= _MAX_INTRODUCTIONS:
                         self._intros.popleft()
                         self._stats.introductions_dropped += 1
@@ -228,6 +231,7 @@ class SideChannelServer:
                             requester=req.requester,
                             rank=req.rank,
                             metadata=req.requester_metadata,
+                            registration=req.registration,
                         )
                     )
         if metadata is None:

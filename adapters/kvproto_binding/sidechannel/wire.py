@@ -54,6 +54,9 @@ class HandshakeRequest(msgspec.Struct, frozen=True):
     """The requester's compat hash, so the holder can count mismatches."""
     requester_metadata: bytes = b""
     """The requester's own transport metadata, so the holder can reach it back."""
+    registration: bytes = b""
+    """Opaque bytes for the holder's owner, queued with the introduction (push mode: a
+    decoder's writable ticket and block ids for the prefill engine that writes them)."""
 
 
 class HandshakeReply(msgspec.Struct, frozen=True):

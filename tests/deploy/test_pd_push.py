@@ -1,0 +1,144 @@
+"""Push mode over HTTP: ``vllm serve`` P + D with ``"transfer_mode": "push"`` behind vllm-router.
+
+vllm-router drives push as it drives pull (``--kv-connector nixl``: P first, then D with
+P's ``kv_transfer_params``); D then grants P a writable lease on the blocks it allocated,
+registers them with P, and P writes its KV into them (spec/push-mode.md §7).
+
+1. completions and chat completions, streamed and not, equal the baseline; every prompt
+   token on D came from P (external prefix hits) and every writable lease on D ended DONE;
+2. P stopped (SIGSTOP) after its prefill answer and killed (``kill -9``) once D has granted
+   and registered the blocks P was to write (the stopped P's kernel takes the registration,
+   P never claims it): D's leases on them are freed within the transport's loss bound
+   (counted from the killed tree's exit), and the request is answered by local prefill,
+   equal to the baseline. Stock push's figure for the same fault (its blocks still held a
+   minute later) comes from tests/deploy/test_stock_push.py (opt-in).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from examples.pd_cpu.client import Answer, RequestFailed, chat, complete, metrics, prefill
+from examples.pd_cpu.cluster import Deployment, ModelSpec
+from examples.pd_cpu.tiny_model import make_prompt
+
+from .baseline import Baseline
+from .conftest import FIGURES, one_prefill_deployment, require_deployment, wait_for, wait_lost_freed
+
+require_deployment()
+
+LEASE_S = 12
+MAX_TOKENS = 8
+HOLDER = "vllm:kvproto_holder_"
+
+
+@pytest.fixture(scope="module")
+def push_up(
+    deploy_model: ModelSpec, baseline: Baseline, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Deployment]:
+    deployment = one_prefill_deployment(
+        deploy_model,
+        tmp_path_factory.mktemp("pd-push"),
+        "kvproto",
+        lease_s=LEASE_S,
+        connector_extra={"transfer_mode": "push"},
+    )
+    with deployment:
+        FIGURES.append(
+            "push startup: " + ", ".join(f"{k} {v:.1f} s" for k, v in deployment.startup_s.items())
+        )
+        yield deployment
+
+
+def _delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+def _settled(url: str) -> bool:
+    m = metrics(url)
+    return all(m.get(f"{HOLDER}{g}", 0.0) == 0 for g in ("leases_granted", "leases_held"))
+
+
+def test_push_answers_equal_baseline_streamed_or_not_with_kv_written_by_p(
+    push_up: Deployment, baseline: Baseline
+) -> None:
+    model = str(push_up.model.path)
+    d_url, p_url = push_up.decode_spec.url, push_up.prefill_specs[0].url
+    d_before, p_before = metrics(d_url), metrics(p_url)
+    cases = [(kind, stream) for kind in ("completion", "chat") for stream in (False, True)]
+    for i, (kind, stream) in enumerate(cases):
+        prompt = f"push {i}: " + make_prompt(3 + i)
+        ask = complete if kind == "completion" else chat
+        got = ask(push_up.router_url, model, prompt, max_tokens=MAX_TOKENS, stream=stream)
+        baseline.check(kind, prompt, MAX_TOKENS, got)
+    wait_for(lambda: _settled(d_url) and _settled(p_url), 10.0)
+    d_after, p_after = metrics(d_url), metrics(p_url)
+    prompt_tokens = _delta(d_after, d_before, "vllm:prompt_tokens_total")
+    external = _delta(d_after, d_before, "vllm:external_prefix_cache_hits_total")
+    # Every prompt token on D was written by P (none recomputed, none a local hit) ...
+    assert prompt_tokens > 0 and external == prompt_tokens
+    # ... into blocks D granted and registered: each writable lease ended DONE.
+    assert _delta(d_after, d_before, f"{HOLDER}grants_total") == len(cases)
+    assert _delta(d_after, d_before, f"{HOLDER}released_done_total") == len(cases)
+    # P granted its finished blocks, and its writes were confirmed (D held the lease when
+    # each done arrived); D read nothing.
+    confirmed = "vllm:kvproto_reader_reads_confirmed_total"
+    assert _delta(p_after, p_before, f"{HOLDER}grants_total") == len(cases)
+    assert _delta(p_after, p_before, confirmed) == len(cases)
+    assert _delta(d_after, d_before, confirmed) == 0
+
+
+def test_p_killed_after_d_registered_frees_ds_blocks_and_d_recomputes(
+    push_up: Deployment, baseline: Baseline
+) -> None:
+    model = str(push_up.model.path)
+    d_url = push_up.decode_spec.url
+    prompt = "push kill: " + make_prompt(6)
+    want = baseline.answer("completion", prompt, MAX_TOKENS)
+    params = prefill(push_up.prefill_specs[0].url, model, prompt)
+    assert params.get("kvproto_transfer_mode") == "push" and "transfer_mode" not in params
+    d_before = metrics(d_url)
+    p = push_up.procs[push_up.prefill_specs[0].name]
+    # Stopped, P takes no registration and writes nothing; D's sessions with it are open
+    # (the previous test), so its loss is reported once the kill closes its sockets.
+    p._signal_tree(signal.SIGSTOP)
+    out: dict[str, Answer | str] = {}
+
+    def decode() -> None:
+        try:
+            out["answer"] = complete(
+                d_url, model, prompt, max_tokens=MAX_TOKENS, kv_transfer_params=params
+            )
+        except RequestFailed as exc:
+            out["error"] = str(exc)
+
+    client = threading.Thread(target=decode, name="push-kill-client", daemon=True)
+    client.start()
+    try:
+        wait_for(lambda: metrics(d_url).get(f"{HOLDER}leases_granted", 0.0) >= 1, 30.0)
+        granted_at_kill = metrics(d_url).get(f"{HOLDER}leases_granted", 0.0)
+    finally:
+        p.kill(wait=False)  # the module's last test: P is not restarted
+    lost = wait_lost_freed(d_url, p, gauges=("leases_granted", "leases_held"))
+    client.join(60.0)
+    d_after = metrics(d_url)
+    FIGURES.append(
+        f"push: P kill -9 after D registered {granted_at_kill:.0f} writable lease(s): D's "
+        f"gauges 0 in {lost.freed_s:.2f} s after the kill (bound {lost.bound_s:.2f} s: tree "
+        f"exit {lost.exit_s:.2f} s + detection); answer by local prefill: {out}"
+    )
+    assert granted_at_kill >= 1
+    assert lost.freed_s <= lost.bound_s, lost
+    answer = out.get("answer")
+    assert isinstance(answer, Answer), out
+    assert answer.text == want.text and answer.token_ids == want.token_ids
+    # (vLLM counts the request's external prefix hit when it schedules the load, failed or
+    # not: the lease's end says it was never written.)
+    ended = sum(
+        _delta(d_after, d_before, f"{HOLDER}{reason}_total") for reason in ("peer_lost", "revoked")
+    )
+    assert ended >= 1
