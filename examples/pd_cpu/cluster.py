@@ -398,6 +398,16 @@ class Proc:
         return "\n".join(text.splitlines()[-lines:])
 
 
+def healthy(url: str, timeout_s: float = 5.0) -> bool:
+    """Whether ``url`` + ``/health`` answers 200 within ``timeout_s``."""
+    with (
+        contextlib.suppress(urllib.error.URLError, OSError),
+        urllib.request.urlopen(url + "/health", timeout=timeout_s) as reply,
+    ):
+        return bool(reply.status == 200)
+    return False
+
+
 def wait_healthy(proc: Proc, url: str, timeout_s: float) -> float:
     """Poll ``url`` + ``/health`` until it answers 200; seconds it took."""
     t0 = time.monotonic()
@@ -407,12 +417,8 @@ def wait_healthy(proc: Proc, url: str, timeout_s: float) -> float:
                 f"{proc.name} exited with {proc.popen.returncode} while starting; "
                 f"last lines of {proc.log_path}:\n{proc.log_tail()}"
             )
-        with (
-            contextlib.suppress(urllib.error.URLError, OSError),
-            urllib.request.urlopen(url + "/health", timeout=2.0) as reply,
-        ):
-            if reply.status == 200:
-                return time.monotonic() - t0
+        if healthy(url, timeout_s=2.0):
+            return time.monotonic() - t0
         time.sleep(0.5)
     raise DeploymentError(f"{proc.name} not healthy after {timeout_s:.0f} s; see {proc.log_path}")
 
@@ -581,12 +587,16 @@ class Deployment:
         return proc
 
     def restart_dead(self) -> list[str]:
-        """Start again every engine whose process is gone (after a crash test); their names."""
+        """Start again every engine whose process is gone (after a crash test), or whose
+        API server outlived its engine (``/health`` not 200: a worker that died of a native
+        crash leaves the server up, answering 500); their names."""
         dead = [
-            e for e in [*self.prefill_specs, self.decode_spec] if not self.procs[e.name].alive()
+            e
+            for e in [*self.prefill_specs, self.decode_spec]
+            if not self.procs[e.name].alive() or not healthy(e.url)
         ]
         for engine in dead:
-            self.procs[engine.name].wait_gone()
+            self.procs[engine.name].kill()
             self.start_engine(engine)
         return [e.name for e in dead]
 

@@ -76,6 +76,26 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.slow)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """A failed test's report carries the last lines of every process of its deployment:
+    CI keeps only pytest's output, and a wedged or crashed engine says why only in its log."""
+    report = yield
+    if report.failed and call.when == "call":
+        funcargs = getattr(item, "funcargs", {})
+        for value in funcargs.values():
+            if isinstance(value, Deployment):
+                for name, proc in value.procs.items():
+                    report.sections.append(
+                        (f"{name} log (last {LOG_TAIL} lines)", proc.log_tail(LOG_TAIL))
+                    )
+    return report
+
+
+LOG_TAIL = 60
+"""Lines of each process's log a failed deploy test's report carries."""
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if FIGURES:
         terminalreporter.section("deployment figures (vllm serve + vllm-router)")
