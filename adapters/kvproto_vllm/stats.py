@@ -71,6 +71,11 @@ PROM_COUNTERS: dict[str, str] = {
         "Lease dones held back ack_timeout for a request on the same ticket (a parallel-"
         "sampling child) that had not begun its read, then sent without it."
     ),
+    "push_registrations": "Push mode, D: registrations of granted blocks sent to P ranks.",
+    "push_fenced": "Push mode, D: writable leases that ended while a write could still land.",
+    "push_written": "Push mode, P: writes D confirmed (its done found the lease held).",
+    "push_write_failures": "Push mode, P: writes that failed, were declined or never began.",
+    "push_bad_registrations": "Push mode, P: registrations that did not decode (dropped).",
 }
 PROM_GAUGES: dict[str, str] = {
     "holder_leases_granted": "Leases granted and not yet claimed by a reader.",

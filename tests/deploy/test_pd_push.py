@@ -90,6 +90,17 @@ def test_push_answers_equal_baseline_streamed_or_not_with_kv_written_by_p(
     assert _delta(p_after, p_before, f"{HOLDER}grants_total") == len(cases)
     assert _delta(p_after, p_before, confirmed) == len(cases)
     assert _delta(d_after, d_before, confirmed) == 0
+    # The push counters on /metrics say the same: one registration and one confirmed write
+    # per request (one rank each), nothing fenced, failed or malformed.
+    push = "vllm:kvproto_push_"
+    assert _delta(d_after, d_before, push + "registrations_total") == len(cases)
+    assert _delta(p_after, p_before, push + "written_total") == len(cases)
+    for side, after, before, name in [
+        ("D", d_after, d_before, "fenced_total"),
+        ("P", p_after, p_before, "write_failures_total"),
+        ("P", p_after, p_before, "bad_registrations_total"),
+    ]:
+        assert _delta(after, before, push + name) == 0, (side, name)
 
 
 def test_p_killed_after_d_registered_frees_ds_blocks_and_d_recomputes(
