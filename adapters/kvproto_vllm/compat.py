@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING, Any
 
 from kvproto.config import ConfigError
 
-from .config import KV_TRANSPORTS, TRANSFER_MODES, AdapterConfig
+from .config import KV_TRANSPORTS, AdapterConfig
 from .groups import TransferGroups
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-ADAPTER_PROTOCOL = 1
+ADAPTER_PROTOCOL = 2
 """Bumped when the adapter's kv_transfer_params or side-channel use changes."""
 
 
@@ -38,7 +38,6 @@ def compat_factors(
     *,
     kv_transport: str,
     groups: TransferGroups | None = None,
-    transfer_mode: str = TRANSFER_MODES[0],
 ) -> dict[str, Any]:
     """The facts two engines must share for one to read the other's blocks.
 
@@ -59,9 +58,6 @@ def compat_factors(
         "num_hidden_layers": model.get_total_num_hidden_layers(),
         "cache_dtype": str(cache.cache_dtype),
         "kv_transport": kv_transport,
-        # A pull decoder reads blocks a push holder never keeps for it, and the reverse
-        # (stock's compat hash has the mode too): refused at the handshake, recomputed.
-        "transfer_mode": transfer_mode,
         "use_mla": bool(model.use_mla),
         **(
             {}
@@ -79,7 +75,6 @@ def compat_hash(factors: dict[str, Any]) -> bytes:
 
 NEIGHBOUR_VALUES: dict[str, tuple[Any, ...]] = {
     "kv_transport": KV_TRANSPORTS,
-    "transfer_mode": TRANSFER_MODES,
     "use_mla": (False, True),
     "cache_dtype": ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2"),
     "dtype": ("torch.float32", "torch.float16", "torch.bfloat16"),

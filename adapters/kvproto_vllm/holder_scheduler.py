@@ -46,9 +46,16 @@ TRUNCATED_KEY = "_p_side_truncated"
 """Stock's kv_transfer_params flag: this prefill was cut short by the backoff already."""
 
 MODE_KEY = "kvproto_transfer_mode"
-"""kv_transfer_params key: the holder's ``transfer_mode``, which a decoder running the other
-mode refuses. Not stock's ``transfer_mode`` key: vllm-router 0.1.17 passes P's parameters to D
-unchanged unless that key says "push", and then only stock push's few keys."""
+"""kv_transfer_params key: the transfer modes this holder serves (:data:`SERVED_MODES`), a
+list; a decoder whose own mode is not in it prefills locally. Not stock's ``transfer_mode``
+key: vllm-router 0.1.17 passes P's parameters to D unchanged unless that key says "push", and
+then only stock push's few keys."""
+
+SERVED_MODES: dict[str, tuple[str, ...]] = {"pull": ("pull",), "push": ("pull", "push")}
+"""What a holder of each ``transfer_mode`` serves. A push engine runs the holder, the reader and
+the writer (spec/push-mode.md section 7): a pull decoder's reads are served by the same holder
+that keeps a push decoder's source blocks, so one push P serves a fleet of both kinds of D. A
+pull engine runs no writer: it serves pull only."""
 
 SIBLINGS_KEPT = 1024
 """Parents of parallel-sampling children whose ticket is remembered for their siblings."""
@@ -215,7 +222,7 @@ class HolderScheduler:
             # Stock's absolute turn-2 deadline (this host's monotonic clock), for proxies
             # that look at it; kvproto readers judge the ticket instead.
             "remote_blocks_expiry_time": ticket.deadline if turn2 else None,
-            MODE_KEY: self.transfer_mode,
+            MODE_KEY: list(SERVED_MODES[self.transfer_mode]),
             PARAMS_KEY: ticket.to_params(),
         }
         if self.transfer_mode == "pull":

@@ -280,11 +280,14 @@ def _parse(
     params: dict[str, Any], groups: TransferGroups, tp_size: int, mode: str = "pull"
 ) -> tuple[LeaseTicket, str, int, list[list[int]], int | None, int, int] | str:
     """The ticket and addressing of a remote-prefill request, or why it is unusable."""
-    theirs = params.get(MODE_KEY, "pull")
-    if theirs != mode:
+    served = _served_modes(params.get(MODE_KEY, ["pull"]))
+    if served is None:
+        return f"malformed {MODE_KEY} {params.get(MODE_KEY)!r} (a list of transfer modes)"
+    if mode not in served:
         return (
-            f"its prefill engine runs transfer_mode {theirs!r}, this engine {mode!r}; set the "
-            "same transfer_mode in kv_connector_extra_config on both engines"
+            f"its prefill engine serves transfer_mode {' and '.join(served)}, this engine "
+            f"runs {mode!r}; set transfer_mode 'push' on the prefill engine (a push engine "
+            "serves pull decoders too) or the same transfer_mode on both engines"
         )
     raw = params.get(PARAMS_KEY)
     if raw is None:
@@ -340,6 +343,13 @@ def _parse(
             "only (an SSM state is one indivisible block)"
         )
     return ticket, host, port, blocks, remote_tokens, holder_block, ratio
+
+
+def _served_modes(raw: object) -> list[str] | None:
+    """The holder's served modes from ``kv_transfer_params``, or None when malformed."""
+    if not isinstance(raw, list) or not raw or not all(isinstance(m, str) for m in raw):
+        return None
+    return [str(m) for m in raw]
 
 
 def _readers(params: dict[str, Any]) -> int:

@@ -136,7 +136,6 @@ class WorkerSide:
             vllm_config,
             kv_transport=cfg.kv_transport,
             groups=self.groups,
-            transfer_mode=cfg.transfer_mode,
         )
         self.compat = compat_hash(factors)
         self._neighbour_hashes = neighbour_hashes(factors)

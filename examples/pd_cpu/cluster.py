@@ -77,6 +77,9 @@ class EngineSpec:
     """Address its HTTP server listens on (another host's address when engines run apart)."""
     side_channel_host: str = "127.0.0.1"
     """``VLLM_NIXL_SIDE_CHANNEL_HOST``: the address decoders reach this engine's KV at."""
+    connector_extra: tuple[tuple[str, Any], ...] = ()
+    """Keys laid over the deployment's ``kv_connector_extra_config`` for this engine only
+    (a fleet whose engines differ, e.g. one ``transfer_mode`` per decoder)."""
 
     @property
     def url(self) -> str:
@@ -536,7 +539,10 @@ class Deployment:
             None
             if engine.role is None
             else kv_transfer_config(
-                self.connector, engine.role, lease_s=self.lease_s, extra=self.connector_extra
+                self.connector,
+                engine.role,
+                lease_s=self.lease_s,
+                extra={**self.connector_extra, **dict(engine.connector_extra)},
             )
         )
         env = engine_env(engine, shim=self.shim)

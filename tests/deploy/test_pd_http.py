@@ -530,7 +530,7 @@ def test_decode_killed_mid_burst_frees_its_leases_at_once(
     assert sum(ended.values()) == granted  # every lease ended exactly once
     assert lost.freed_s <= lost.bound_s, lost
     assert answered + failed == 16
-    log = p_log.read_text(errors="replace")[log_offset:]
+    log = p_log.read_bytes()[log_offset:].decode(errors="replace")  # a byte offset
     # The set-up held: the local work still had D's slots, so the burst was queued, not served.
     assert occupied_at_kill >= DECODE_SEQS, (occupied_at_kill, ended)
     if moment == "claimed":

@@ -6,7 +6,11 @@ registers them with P, and P writes its KV into them (spec/push-mode.md §7).
 
 1. completions and chat completions, streamed and not, equal the baseline; every prompt
    token on D came from P (external prefix hits) and every writable lease on D ended DONE;
-2. P stopped (SIGSTOP) after its prefill answer and killed (``kill -9``) once D has granted
+2. the same push P serves a pull decoder started beside the push one (a push engine runs
+   the holder a pull reader needs): its answer equals the baseline, its KV read from P; a
+   push decoder handed a pull-only holder's parameters prefills locally with a WARNING that
+   names both modes;
+3. P stopped (SIGSTOP) after its prefill answer and killed (``kill -9``) once D has granted
    and registered the blocks P was to write (the stopped P's kernel takes the registration,
    P never claims it): D's leases on them are freed within the transport's loss bound
    (counted from the killed tree's exit), and the request is answered by local prefill,
@@ -16,6 +20,7 @@ registers them with P, and P writes its KV into them (spec/push-mode.md §7).
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import threading
 from collections.abc import Iterator
@@ -23,7 +28,7 @@ from collections.abc import Iterator
 import pytest
 
 from examples.pd_cpu.client import Answer, RequestFailed, chat, complete, metrics, prefill
-from examples.pd_cpu.cluster import Deployment, ModelSpec
+from examples.pd_cpu.cluster import Deployment, ModelSpec, free_port
 from examples.pd_cpu.tiny_model import make_prompt
 
 from .baseline import Baseline
@@ -34,6 +39,8 @@ require_deployment()
 LEASE_S = 12
 MAX_TOKENS = 8
 HOLDER = "vllm:kvproto_holder_"
+MODE_KEY = "kvproto_transfer_mode"
+"""kv_transfer_params key: the modes the holder serves (kvproto_vllm.holder_scheduler)."""
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +110,57 @@ def test_push_answers_equal_baseline_streamed_or_not_with_kv_written_by_p(
         assert _delta(after, before, push + name) == 0, (side, name)
 
 
+def test_one_push_prefill_serves_a_pull_decoder_too_and_a_mode_it_lacks_is_refused(
+    push_up: Deployment, baseline: Baseline
+) -> None:
+    model = str(push_up.model.path)
+    p_url = push_up.prefill_specs[0].url
+    pull_d = dataclasses.replace(
+        push_up.decode_spec,
+        name="decode-pull",
+        port=free_port(),
+        side_channel_port=free_port(),
+        connector_extra=(("transfer_mode", "pull"),),
+    )
+    push_up.start_engine(pull_d)
+    try:
+        prompt = "push and pull: " + make_prompt(5)
+        p_before, d_before = metrics(p_url), metrics(pull_d.url)
+        params = prefill(p_url, model, prompt)
+        assert params[MODE_KEY] == ["pull", "push"]
+        got = complete(pull_d.url, model, prompt, max_tokens=MAX_TOKENS, kv_transfer_params=params)
+        baseline.check("completion", prompt, MAX_TOKENS, got)
+        wait_for(lambda: _settled(p_url), 10.0)
+        p_after, d_after = metrics(p_url), metrics(pull_d.url)
+        # The pull decoder read P's blocks (every prompt token an external hit, the read
+        # confirmed), and P's lease ended DONE with nothing written.
+        prompt_tokens = _delta(d_after, d_before, "vllm:prompt_tokens_total")
+        external = _delta(d_after, d_before, "vllm:external_prefix_cache_hits_total")
+        assert prompt_tokens > 0 and external == prompt_tokens
+        assert _delta(d_after, d_before, "vllm:kvproto_reader_reads_confirmed_total") == 1
+        assert _delta(p_after, p_before, f"{HOLDER}released_done_total") == 1
+        assert _delta(p_after, p_before, "vllm:kvproto_push_written_total") == 0
+    finally:
+        push_up.procs.pop(pull_d.name).stop()
+    # A push decoder given a holder that serves pull only: prefilled locally, one WARNING.
+    prompt = "pull only: " + make_prompt(4)
+    params = prefill(p_url, model, prompt)
+    params[MODE_KEY] = ["pull"]
+    d_log = push_up.procs[push_up.decode_spec.name].log_path
+    offset = d_log.stat().st_size
+    got = complete(
+        push_up.decode_spec.url, model, prompt, max_tokens=MAX_TOKENS, kv_transfer_params=params
+    )
+    baseline.check("completion", prompt, MAX_TOKENS, got)
+    warned = [
+        line
+        for line in d_log.read_bytes()[offset:].decode(errors="replace").splitlines()
+        if "is prefilled locally" in line
+    ]
+    assert len(warned) == 1 and "WARNING" in warned[0], warned
+    assert "serves transfer_mode pull, this engine runs 'push'" in warned[0], warned
+
+
 def test_p_killed_after_d_registered_frees_ds_blocks_and_d_recomputes(
     push_up: Deployment, baseline: Baseline
 ) -> None:
@@ -111,7 +169,7 @@ def test_p_killed_after_d_registered_frees_ds_blocks_and_d_recomputes(
     prompt = "push kill: " + make_prompt(6)
     want = baseline.answer("completion", prompt, MAX_TOKENS)
     params = prefill(push_up.prefill_specs[0].url, model, prompt)
-    assert params.get("kvproto_transfer_mode") == "push" and "transfer_mode" not in params
+    assert params.get(MODE_KEY) == ["pull", "push"] and "transfer_mode" not in params
     d_before = metrics(d_url)
     p = push_up.procs[push_up.prefill_specs[0].name]
     # Stopped, P takes no registration and writes nothing; D's sessions with it are open

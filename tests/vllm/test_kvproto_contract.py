@@ -19,6 +19,8 @@ import sys
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from .vllm_required import require_vllm
 
@@ -204,3 +206,52 @@ def test_extra_config() -> None:
         with pytest.raises(ConfigError) as refused:
             parse_extra_config({"transfer_mode": "push", **conflict})
         assert str(refused.value) == PUSH_REFUSALS[key]
+
+
+def test_a_decoder_checks_its_mode_against_the_modes_its_holder_serves() -> None:
+    """P's ``kvproto_transfer_mode`` lists what it serves; D checks its own mode against it
+    when the request arrives, before anything else in the parameters (a refusal names both)."""
+    from kvproto_vllm.groups import single_full_group
+    from kvproto_vllm.holder_scheduler import MODE_KEY, SERVED_MODES
+    from kvproto_vllm.reader_scheduler import _parse
+
+    groups = single_full_group(32)
+    assert SERVED_MODES == {"pull": ("pull",), "push": ("pull", "push")}
+    no_ticket = "no kvproto lease ticket in kv_transfer_params (a stock prefill engine?)"
+    # Served: parsing goes on (and stops at the missing ticket here).
+    for served, mode in (
+        (["pull"], "pull"),
+        (["pull", "push"], "pull"),
+        (["pull", "push"], "push"),
+    ):
+        assert _parse({MODE_KEY: served}, groups, 1, mode) == no_ticket
+    assert _parse({}, groups, 1, "pull") == no_ticket  # no list: a pull holder's parameters
+    assert _parse({}, groups, 1, "push") == (
+        "its prefill engine serves transfer_mode pull, this engine runs 'push'; set "
+        "transfer_mode 'push' on the prefill engine (a push engine serves pull decoders too) "
+        "or the same transfer_mode on both engines"
+    )
+
+
+@given(
+    st.recursive(
+        st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner),
+        max_leaves=6,
+    )
+)
+def test_any_served_modes_value_is_served_refused_or_malformed_never_an_exception(
+    raw: object,
+) -> None:
+    from kvproto_vllm.groups import single_full_group
+    from kvproto_vllm.holder_scheduler import MODE_KEY
+    from kvproto_vllm.reader_scheduler import _parse
+
+    for mode in ("pull", "push"):
+        got = _parse({MODE_KEY: raw}, single_full_group(32), 1, mode)
+        assert isinstance(got, str)  # no ticket either: always a reason
+        well_formed = isinstance(raw, list) and raw and all(isinstance(m, str) for m in raw)
+        if not well_formed:
+            assert got.startswith("malformed kvproto_transfer_mode")
+        elif isinstance(raw, list) and mode not in raw:
+            assert got.startswith("its prefill engine serves transfer_mode")
