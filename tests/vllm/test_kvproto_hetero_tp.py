@@ -22,6 +22,11 @@ whole: each D rank reads whole blocks from one P rank (``tpmath.part_slices``),
 a P rank nobody reads from gets a done-only order, and every P rank still frees
 on its expected dones.
 
+Push mode runs the same pair of TP sizes for the tiny Llama (push serves one full-attention
+group): D's ranks grant and register their blocks with every P rank that writes into them, P's
+ranks write their parts (P TP 1 writes each D rank's head; P TP 2 writes the two halves of D's
+one rank), and D reports the load once every registration's write was confirmed.
+
 Each direction: greedy output on D equals the non-disaggregated baseline (and
 TP 1 and TP 2 agree without a transfer); every prompt token arrives through
 the connector (D's external prefix hits = prompt length, every D rank
@@ -52,7 +57,9 @@ MAX_TOKENS = 16
 HITS = "vllm:external_prefix_cache_hits"
 
 
-def engine(model: Path, name: str, tp: int, shape: str, connector: str = "kvproto") -> EngineProc:
+def engine(
+    model: Path, name: str, tp: int, shape: str, connector: str = "kvproto", **extra: Any
+) -> EngineProc:
     from examples.pd_cpu.tiny_model import ATTENTION_BACKEND_OF, BLOCK_SIZE_OF
 
     config = kvproto_config if connector == "kvproto" else stock_config
@@ -60,7 +67,7 @@ def engine(model: Path, name: str, tp: int, shape: str, connector: str = "kvprot
     return EngineProc(
         EngineSpec(
             model=str(model),
-            kv_transfer_config=config("kv_both"),
+            kv_transfer_config=config("kv_both", **extra),
             side_channel_port=free_port_pair(),
             prefix_caching=False,
             tensor_parallel_size=tp,
@@ -225,3 +232,65 @@ def test_hetero_tp_engines(
             t_stop = time.perf_counter()
             e.stop()
             print(f"stop {e.name} {time.perf_counter() - t_stop:.1f}s")
+
+
+def push_transfer(
+    p: EngineProc, d: EngineProc, prompt: str, figures: dict[str, float], label: str
+) -> None:
+    """P's ranks write into the blocks D's ranks registered; the answer equals the baseline."""
+    p_tp, d_tp = p.spec.tensor_parallel_size, d.spec.tensor_parallel_size
+    base = generate(d, prompt, MAX_TOKENS)["token_ids"]
+    assert generate(p, prompt, MAX_TOKENS)["token_ids"] == base, "TP 1 and TP 2 disagree"
+    p_before, d_before = p.call("worker_states"), d.call("worker_states")
+    hits_before = d.call("metrics", names=[HITS])[HITS]
+    free_before = p.call("state")["free_blocks"]
+    params = generate(p, prompt, 1, {"do_remote_decode": True})["kv_transfer_params"]
+    assert params["kvproto_transfer_mode"] == ["pull", "push"] and params["tp_size"] == p_tp
+    dec = generate(d, prompt, MAX_TOKENS, params)
+    assert dec["token_ids"] == base and dec["finish_reason"] == "length"
+    assert p.call("wait_idle", timeout_s=30.0)["idle"], "P kept its blocks after the writes"
+    assert p.call("state")["free_blocks"] == free_before
+    n_prompt = len(dec["prompt_token_ids"])
+    assert d.call("metrics", names=[HITS])[HITS] - hits_before == n_prompt
+    pairs = max(p_tp, d_tp)
+    d_after = d.call("worker_states")
+    d_stats = stat_deltas(d_before, d_after)
+    p_stats = stat_deltas(p_before, p.call("worker_states"))
+    # Every D rank's blocks were filled by P's writes (an external hit is counted when the
+    # request is scheduled, before its load: only the worker's outcome says the KV came).
+    for rank, events in enumerate(new_events(d_before, d_after)):
+        assert [e[3] for e in events if e[1] == "written"] == ["filled"], (rank, events)
+    # D's one writable lease (every D rank adopts it) is registered with each P rank that
+    # writes into each D rank: one registration and one WRITE per (D rank, P rank) pair. Each
+    # writing P rank tracks the lease once and confirms it once; D's finish then ends P's
+    # own lease (an abort: nothing more to keep, spec/push-mode.md section 7).
+    assert sum(x.get("push_registrations", 0) for x in d_stats) == pairs, d_stats
+    assert sum(x.get("reader_writes_started", 0) for x in p_stats) == pairs, p_stats
+    assert sum(x.get("push_written", 0) for x in p_stats) == p_tp, p_stats
+    for x in p_stats:
+        assert x.get("push_write_failures", 0) == 0 and x.get("push_bad_registrations", 0) == 0
+        assert x.get("holder_aborted", 0) == 1 and x.get("holder_expired", 0) == 0, x
+    for x in d_stats:
+        assert x.get("holder_released_done", 0) == 1, x  # the writable lease ended DONE
+        assert x.get("push_fenced", 0) == 0 and x.get("reader_reads_started", 0) == 0, x
+    figures[f"{label} prompt tok"] = n_prompt
+    figures[f"{label} decode s"] = dec["generate_s"]
+
+
+def test_hetero_tp_push_engines(tiny_model_dir: Path) -> None:
+    t0 = time.perf_counter()
+    a = engine(tiny_model_dir, "A-tp1-push", 1, "llama", transfer_mode="push")
+    b = engine(tiny_model_dir, "B-tp2-push", 2, "llama", transfer_mode="push")
+    try:
+        a_info, b_info = a.wait_ready(), b.wait_ready()
+        figures: dict[str, float] = {"A init s": a_info["init_s"], "B init s": b_info["init_s"]}
+        push_transfer(a, b, make_prompt(8), figures, "push P1->D2")
+        push_transfer(b, a, make_prompt(9), figures, "push P2->D1")
+        print(
+            "\nkvproto heterogeneous TP (push): "
+            + ", ".join(f"{k} {v:.1f}" for k, v in figures.items())
+            + f", wall {time.perf_counter() - t0:.1f}s"
+        )
+    finally:
+        for e in (a, b):
+            e.stop()
