@@ -9,6 +9,8 @@ namespaces. Its :class:`Faults` change the link for real, in the kernel:
   senders see no error, exactly as across a dead switch);
 * ``loss(p)``: iptables ``statistic --mode random`` DROP of a fraction ``p``
   of the packets arriving in each namespace (so ``p`` per direction);
+* ``stall_bulk(n)``: iptables DROP of the packets of ``n`` bytes or more arriving at D (P's
+  bulk data stalls on the wire, TCP retransmits it once healed; small packets pass);
 * ``link_down()`` / ``link_up()``: ``ip link set down`` on the D end (the P end
   loses carrier);
 * ``delay(ms, jitter_ms)``: only on a :class:`Link` made with ``delayer=True``:
@@ -67,7 +69,8 @@ class Faults:
     def __init__(self, link: Link) -> None:
         self._link = link
         self.state = "healthy"
-        """What is applied now: ``healthy``, ``partition``, ``loss <p>`` or ``down``."""
+        """What is applied now: ``healthy``, ``partition``, ``loss <p>``, ``stall-bulk <n>``
+        or ``down``."""
         for host in (link.p, link.d):
             self._ipt(host, "-N", self.CHAIN)
             self._ipt(host, "-I", "INPUT", "-i", link.ifname[host], "-j", self.CHAIN)
@@ -106,6 +109,19 @@ class Faults:
                 "DROP",
             )
         self.state = f"loss {fraction:g}"
+
+    def stall_bulk(self, min_bytes: int = 1000) -> None:
+        """Drop every packet of ``min_bytes`` or more arriving at D: P's bulk data (a WRITE
+        into D's blocks) stops on the wire while small packets (acks, D's own frames to P,
+        side-channel messages) still pass. TCP delivers in order, so what P sends after the
+        bulk on the same connection waits behind it; :meth:`heal` lets TCP's retransmission
+        land it late."""
+        self._flush()
+        self._ipt(
+            self._link.d, "-A", self.CHAIN, "-m", "length", "--length", f"{min_bytes}:65535",
+            "-j", "DROP",
+        )  # fmt: skip
+        self.state = f"stall-bulk {min_bytes}"
 
     def link_down(self) -> None:
         """``ip link set down`` the D end of the link (the P end loses carrier)."""

@@ -23,14 +23,12 @@ from tests.vllm.vllm_required import require_vllm
 
 require_vllm()
 
-import multiprocessing as mp  # noqa: E402
-
-from kvproto_tools.netns import spawn_in, transport_env  # noqa: E402
-from tests.vllm.engine_proc import EngineProc, EngineSpec, _child_main, free_port  # noqa: E402
-from tests.vllm.kvproto_config import events, kvproto_config  # noqa: E402
+from tests.vllm.engine_proc import EngineProc  # noqa: E402
+from tests.vllm.kvproto_config import events  # noqa: E402
 from tests.vllm.tiny_model import make_prompt  # noqa: E402
 
 from .netns import Link  # noqa: E402
+from .vllm_hosts import NsEngine, ns_engine  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -49,36 +47,17 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return model_dir
 
 
-class NsEngine(EngineProc):
-    """An :class:`EngineProc` whose child runs in a namespace (UCX on its veth only)."""
-
-    def __init__(self, spec: EngineSpec, *, name: str, netns: str, env: dict[str, str]) -> None:
-        self.name = name
-        self.spec = spec
-        self._conn, child = mp.get_context("spawn").Pipe()
-        self.proc = spawn_in(netns, _child_main, (child, spec), env=env, name=name)  # type: ignore[assignment]
-        child.close()
-        self.info: dict[str, Any] | None = None
-
-
-def _engine(model: Path, link: Link, host: str, role: str, **kw: Any) -> NsEngine:
-    env = {**transport_env(link.ifname[host]), "VLLM_NIXL_SIDE_CHANNEL_HOST": link.addr[host]}
-    spec = EngineSpec(
-        model=str(model),
-        kv_transfer_config=kvproto_config(role, kv_lease_duration=LEASE),
-        side_channel_port=free_port(),
-        prefix_caching=False,
-        extra_env=env,
-        **kw,
-    )
-    return NsEngine(spec, name=role, netns=host, env=env)
-
-
 @pytest.fixture
 def engines(tiny_model_dir: Path, link: Link) -> Iterator[tuple[NsEngine, NsEngine]]:
-    p = _engine(tiny_model_dir, link, link.p, "kv_producer")
-    d = _engine(
-        tiny_model_dir, link, link.d, "kv_consumer", max_num_seqs=1, scheduling_policy="priority"
+    p = ns_engine(tiny_model_dir, link, link.p, "kv_producer", lease_s=LEASE)
+    d = ns_engine(
+        tiny_model_dir,
+        link,
+        link.d,
+        "kv_consumer",
+        lease_s=LEASE,
+        max_num_seqs=1,
+        scheduling_policy="priority",
     )
     try:
         p.wait_ready()

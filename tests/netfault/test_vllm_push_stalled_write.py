@@ -1,0 +1,178 @@
+"""Push mode on two real vLLM CPU engines: P's WRITE stalls on the wire past D's lease.
+
+P (kv_producer) and D (kv_consumer) run ``"transfer_mode": "push"`` on two namespace hosts
+(:mod:`tests.netfault.vllm_hosts`). After one request whose KV P writes normally, every packet
+of 1,000 bytes or more arriving at D is dropped (:meth:`~tests.netfault.netns.Faults.stall_bulk`):
+D's registration and P's claim and arm (small) pass, P's WRITE (16 KiB blocks) stops on the
+wire, and what P sends after it on the same connection (its heartbeats of D's lease, the
+done) waits behind it in TCP's order. D's writable lease lapses with a write that may still
+land: D fences it (the blocks stay quarantined, the request keeps waiting, nothing is
+reported). Once the link heals, TCP's retransmission lands the stalled write and the late done;
+D answers that done LATE (P records the write ``fenced-late``), then recomputes the request,
+and its answer equals the baseline: no token came from a write that landed after the lease. A
+later request is written by P again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.vllm.vllm_required import require_vllm
+
+require_vllm()
+
+from tests.vllm.engine_proc import EngineProc  # noqa: E402
+from tests.vllm.kvproto_config import events  # noqa: E402
+from tests.vllm.tiny_model import make_prompt  # noqa: E402
+
+from .netns import Link  # noqa: E402
+from .vllm_hosts import NsEngine, ns_engine  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+LEASE = 6.0
+EXTENSION = LEASE * 2 // 3
+MAX_TOKENS = 8
+STALL_MIN_BYTES = 1000
+"""Smaller than one MTU-sized TCP segment of a WRITE, larger than any control frame here."""
+HELD_S = 3.0
+"""How long after the fence the test checks that D reported nothing (the write may land)."""
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("transformers", reason="transformers comes with vllm")
+    from tests.vllm.tiny_model import build_tiny_llama
+
+    model_dir: Path = build_tiny_llama(tmp_path_factory.mktemp("tinyllama"))
+    return model_dir
+
+
+@pytest.fixture
+def engines(tiny_model_dir: Path, link: Link) -> Iterator[tuple[NsEngine, NsEngine]]:
+    push = {"transfer_mode": "push"}
+    p = ns_engine(tiny_model_dir, link, link.p, "kv_producer", lease_s=LEASE, connector_extra=push)
+    d = ns_engine(tiny_model_dir, link, link.d, "kv_consumer", lease_s=LEASE, connector_extra=push)
+    try:
+        p.wait_ready()
+        d.wait_ready()
+        yield p, d
+    finally:
+        link.faults.heal()
+        d.stop()
+        p.stop()
+
+
+def _prefill(p: EngineProc, prompt: str) -> dict[str, Any]:
+    (pre,) = p.call(
+        "generate",
+        prompts=[prompt],
+        sampling={"max_tokens": 1},
+        kv_transfer_params=[{"do_remote_decode": True}],
+    )
+    assert pre["kv_transfer_params"] is not None
+    return dict(pre["kv_transfer_params"])
+
+
+def _add(d: EngineProc, rid: str, prompt: str, params: dict[str, Any]) -> None:
+    d.call(
+        "add",
+        request_ids=[rid],
+        prompts=[prompt],
+        sampling={"max_tokens": MAX_TOKENS},
+        kv_transfer_params=[params],
+    )
+
+
+def _outcomes(d: EngineProc, rid: str) -> list[tuple[str, str]]:
+    """D's push events for request ``rid``: (kind, detail) in order."""
+    state = d.call("connector_state")
+    return [
+        (kind, detail)
+        for kind in ("fenced", "written", "load-failed")
+        for t, kind_, subject, detail in events(state, kind)
+        # vLLM appends a suffix of its own to the request id it was given.
+        if subject == rid or subject.startswith(rid + "-")
+    ]
+
+
+def _wait(check: Any, timeout_s: float, what: str) -> float:
+    t0 = time.monotonic()
+    while not check():
+        assert time.monotonic() - t0 < timeout_s, f"{what} not within {timeout_s} s"
+        time.sleep(0.1)
+    return time.monotonic() - t0
+
+
+def test_a_write_stalled_on_the_wire_past_ds_lease_is_fenced_and_recomputed(
+    engines: tuple[NsEngine, NsEngine], link: Link
+) -> None:
+    p, d = engines
+    prompts = {f"w{k}": make_prompt(4 + k) for k in range(4)}
+    base = {
+        rid: list(
+            p.call("generate", prompts=[prompt], sampling={"max_tokens": MAX_TOKENS})[0][
+                "token_ids"
+            ]
+        )
+        for rid, prompt in prompts.items()
+    }
+    # A healthy write first: the side channel and UCX's connection are up before the fault.
+    _add(d, "w0", prompts["w0"], _prefill(p, prompts["w0"]))
+    (out,) = d.call("collect", request_ids=["w0"], timeout_s=60.0)
+    assert out["token_ids"] == base["w0"]
+    assert _outcomes(d, "w0") == [("written", "filled")]
+
+    params = _prefill(p, prompts["w1"])
+    link.faults.stall_bulk(STALL_MIN_BYTES)
+    stalled = time.monotonic()
+    _add(d, "w1", prompts["w1"], params)
+    fenced_s = _wait(
+        lambda: ("fenced", "EXPIRED") in _outcomes(d, "w1"), EXTENSION + 20.0, "D's fence"
+    )
+    # Fenced, not reported: the write may still land, so the blocks stay D's request's.
+    time.sleep(HELD_S)
+    assert _outcomes(d, "w1") == [("fenced", "EXPIRED")]
+    assert d.call("state")["waiting"] + d.call("state")["running"] >= 1
+    link.faults.heal()
+    healed = time.monotonic()
+    (out,) = d.call("collect", request_ids=["w1"], timeout_s=120.0)
+    reported_s = time.monotonic() - healed
+    assert out["token_ids"] == base["w1"]  # recomputed: nothing decoded from the late write
+    assert _outcomes(d, "w1")[0] == ("fenced", "EXPIRED")
+    assert ("written", "filled") not in _outcomes(d, "w1")
+    assert [k for k, _ in _outcomes(d, "w1")][1:] == ["load-failed"], _outcomes(d, "w1")
+
+    # P writes again once TCP has recovered (the first try may meet its backed-off
+    # retransmission and be recomputed; bounded tries).
+    written_again = None
+    for rid in ("w2", "w3"):
+        _add(d, rid, prompts[rid], _prefill(p, prompts[rid]))
+        (out,) = d.call("collect", request_ids=[rid], timeout_s=60.0)
+        assert out["token_ids"] == base[rid], rid
+        if _outcomes(d, rid) == [("written", "filled")]:
+            written_again = rid
+            break
+    assert written_again is not None, (_outcomes(d, "w2"), _outcomes(d, "w3"))
+    d_stats = d.call("worker_states")[0]["stats"]
+    source = params["remote_request_id"]
+    p_writes = [
+        (kind, detail)
+        for _, kind, subject, detail in p.call("connector_state")["worker"]["events"]
+        if subject.startswith(source + "#")
+    ]
+    # P did write (the bytes were on the wire), and its late done was answered LATE.
+    assert [k for k, _ in p_writes] == ["registration", "writing", "write-failed"], p_writes
+    assert p_writes[-1][1] == "fenced-late", p_writes
+    print(
+        f"\nNETFAULT | vLLM engines, push, bulk stalled {healed - stalled:.1f} s | nixl | "
+        f"fenced {fenced_s:.1f} s after D got the request (lease {LEASE:.0f} s, extension "
+        f"{EXTENSION:.0f} s) | reported {reported_s:.1f} s after the heal, recomputed = "
+        f"baseline | wrong=0 | written again by {written_again} | "
+        f"push_fenced={d_stats.get('push_fenced', 0)} | D {_outcomes(d, 'w1')} | P {p_writes}"
+    )
