@@ -11,6 +11,10 @@ reported). Once the link heals, TCP's retransmission lands the stalled write and
 D answers that done LATE (P records the write ``fenced-late``), then recomputes the request,
 and its answer equals the baseline: no token came from a write that landed after the lease. A
 later request is written by P again.
+
+The same stall, then ``kill -9`` of P once it started the write: the loss report ends D's lease
+PEER_LOST at once (proof that nothing more of P's lands, spec/push-mode.md section 5), with
+no fence, and D recomputes.
 """
 
 from __future__ import annotations
@@ -175,4 +179,50 @@ def test_a_write_stalled_on_the_wire_past_ds_lease_is_fenced_and_recomputed(
         f"{EXTENSION:.0f} s) | reported {reported_s:.1f} s after the heal, recomputed = "
         f"baseline | wrong=0 | written again by {written_again} | "
         f"push_fenced={d_stats.get('push_fenced', 0)} | D {_outcomes(d, 'w1')} | P {p_writes}"
+    )
+
+
+def test_p_killed_with_its_write_stalled_on_the_wire(
+    engines: tuple[NsEngine, NsEngine], link: Link
+) -> None:
+    p, d = engines
+    prompts = {f"k{k}": make_prompt(5 + k) for k in range(2)}
+    base = {
+        rid: list(
+            p.call("generate", prompts=[prompt], sampling={"max_tokens": MAX_TOKENS})[0][
+                "token_ids"
+            ]
+        )
+        for rid, prompt in prompts.items()
+    }
+    _add(d, "k0", prompts["k0"], _prefill(p, prompts["k0"]))
+    (out,) = d.call("collect", request_ids=["k0"], timeout_s=60.0)
+    assert out["token_ids"] == base["k0"] and _outcomes(d, "k0") == [("written", "filled")]
+    params = _prefill(p, prompts["k1"])
+    source = params["remote_request_id"]
+    link.faults.stall_bulk(STALL_MIN_BYTES)
+    _add(d, "k1", prompts["k1"], params)
+
+    def writing() -> bool:
+        return any(
+            kind == "writing" and subject.startswith(source + "#")
+            for _, kind, subject, _ in p.call("connector_state")["worker"]["events"]
+        )
+
+    _wait(writing, 20.0, "P's write")
+    killed = time.monotonic()
+    p.kill()
+    # The loss report is proof that nothing more of P's lands (spec/push-mode.md section 5):
+    # D ends its lease PEER_LOST at once, with no fence and no wait for its expiry.
+    _wait(lambda: bool(_outcomes(d, "k1")), 30.0, "D's outcome")
+    reported_s = time.monotonic() - killed
+    assert _outcomes(d, "k1") == [("load-failed", "PEER_LOST")]
+    assert reported_s < EXTENSION, reported_s
+    link.faults.heal()
+    (out,) = d.call("collect", request_ids=["k1"], timeout_s=120.0)
+    assert out["token_ids"] == base["k1"]  # recomputed by D, nothing from the stalled write
+    print(
+        f"\nNETFAULT | vLLM engines, push, P kill -9 with its WRITE stalled on the wire | nixl | "
+        f"D's lease ended PEER_LOST {reported_s:.2f} s after the kill (no fence), recomputed = "
+        f"baseline | wrong=0"
     )
