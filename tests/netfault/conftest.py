@@ -49,6 +49,17 @@ def link() -> Iterator[Link]:
         made.close()
 
 
+@pytest.fixture(scope="module")
+def module_link() -> Iterator[Link]:
+    """A two-host link shared by a module's tests (engines on it take most of their time)."""
+    _skip_or_fail()
+    made = Link()
+    try:
+        yield made
+    finally:
+        made.close()
+
+
 @pytest.fixture
 def delay_link() -> Iterator[Link]:
     """A two-host link through the delaying bridge."""

@@ -57,8 +57,10 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return model_dir
 
 
-@pytest.fixture
-def engines(tiny_model_dir: Path, link: Link) -> Iterator[tuple[NsEngine, NsEngine]]:
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir: Path, module_link: Link) -> Iterator[tuple[NsEngine, NsEngine]]:
+    """P and D, shared by the module's tests in order (the last one kills P)."""
+    link = module_link
     push = {"transfer_mode": "push"}
     p = ns_engine(tiny_model_dir, link, link.p, "kv_producer", lease_s=LEASE, connector_extra=push)
     d = ns_engine(tiny_model_dir, link, link.d, "kv_consumer", lease_s=LEASE, connector_extra=push)
@@ -114,8 +116,9 @@ def _wait(check: Any, timeout_s: float, what: str) -> float:
 
 
 def test_a_write_stalled_on_the_wire_past_ds_lease_is_fenced_and_recomputed(
-    engines: tuple[NsEngine, NsEngine], link: Link
+    engines: tuple[NsEngine, NsEngine], module_link: Link
 ) -> None:
+    link = module_link
     p, d = engines
     prompts = {f"w{k}": make_prompt(4 + k) for k in range(4)}
     base = {
@@ -183,8 +186,9 @@ def test_a_write_stalled_on_the_wire_past_ds_lease_is_fenced_and_recomputed(
 
 
 def test_p_killed_with_its_write_stalled_on_the_wire(
-    engines: tuple[NsEngine, NsEngine], link: Link
+    engines: tuple[NsEngine, NsEngine], module_link: Link
 ) -> None:
+    link = module_link
     p, d = engines
     prompts = {f"k{k}": make_prompt(5 + k) for k in range(2)}
     base = {
