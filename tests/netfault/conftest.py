@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -38,34 +39,38 @@ def netns_ok() -> None:
     _skip_or_fail()
 
 
-@pytest.fixture
-def link() -> Iterator[Link]:
-    """A fresh two-host link, torn down after the test whatever happened."""
+def _made_link(*, delayer: bool = False) -> Iterator[Link]:
     _skip_or_fail()
-    made = Link()
+    made = Link(delayer=delayer)
     try:
         yield made
     finally:
         made.close()
+
+
+@pytest.fixture
+def link() -> Iterator[Link]:
+    """A fresh two-host link, torn down after the test whatever happened."""
+    yield from _made_link()
 
 
 @pytest.fixture(scope="module")
 def module_link() -> Iterator[Link]:
     """A two-host link shared by a module's tests (engines on it take most of their time)."""
-    _skip_or_fail()
-    made = Link()
-    try:
-        yield made
-    finally:
-        made.close()
+    yield from _made_link()
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama the engine tests here load (built once per module)."""
+    pytest.importorskip("transformers", reason="transformers comes with vllm")
+    from tests.vllm.tiny_model import build_tiny_llama
+
+    model_dir: Path = build_tiny_llama(tmp_path_factory.mktemp("tinyllama"))
+    return model_dir
 
 
 @pytest.fixture
 def delay_link() -> Iterator[Link]:
     """A two-host link through the delaying bridge."""
-    _skip_or_fail()
-    made = Link(delayer=True)
-    try:
-        yield made
-    finally:
-        made.close()
+    yield from _made_link(delayer=True)

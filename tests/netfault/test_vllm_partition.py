@@ -15,7 +15,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -23,7 +22,7 @@ from tests.vllm.vllm_required import require_vllm
 
 require_vllm()
 
-from tests.vllm.engine_proc import EngineProc  # noqa: E402
+from tests.vllm.engine_proc import EngineProc, prefill  # noqa: E402
 from tests.vllm.kvproto_config import events  # noqa: E402
 from tests.vllm.tiny_model import make_prompt  # noqa: E402
 
@@ -36,15 +35,6 @@ LEASE = 6.0
 EXTENSION = LEASE * 2 // 3
 MAX_TOKENS = 8
 BUSY_TOKENS = 480
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    pytest.importorskip("transformers", reason="transformers comes with vllm")
-    from tests.vllm.tiny_model import build_tiny_llama
-
-    model_dir: Path = build_tiny_llama(tmp_path_factory.mktemp("tinyllama"))
-    return model_dir
 
 
 @pytest.fixture
@@ -67,17 +57,6 @@ def engines(tiny_model_dir: Path, link: Link) -> Iterator[tuple[NsEngine, NsEngi
         link.faults.heal()
         d.stop()
         p.stop()
-
-
-def _prefill(p: EngineProc, prompt: str) -> dict[str, Any]:
-    (pre,) = p.call(
-        "generate",
-        prompts=[prompt],
-        sampling={"max_tokens": 1},
-        kv_transfer_params=[{"do_remote_decode": True}],
-    )
-    assert pre["kv_transfer_params"] is not None
-    return dict(pre["kv_transfer_params"])
 
 
 def _baseline(p: EngineProc, prompt: str) -> list[int]:
@@ -115,7 +94,7 @@ def test_partition_while_requests_queue_on_d(
     _busy(d, busy)
     _busy(d, busy)
     queued = ("q1", "q2")
-    params = {rid: _prefill(p, prompts[rid]) for rid in queued}
+    params = {rid: prefill(p, prompts[rid]) for rid in queued}
     for rid in queued:
         d.call(
             "add",
@@ -159,7 +138,7 @@ def test_partition_while_requests_queue_on_d(
             "generate",
             prompts=[prompts[rid]],
             sampling={"max_tokens": MAX_TOKENS},
-            kv_transfer_params=[_prefill(p, prompts[rid])],
+            kv_transfer_params=[prefill(p, prompts[rid])],
         )
         assert out["token_ids"] == base[rid], rid
         # "generate" names its requests itself: count the confirmations instead.

@@ -30,7 +30,7 @@ from tests.vllm.vllm_required import require_vllm
 
 require_vllm()
 
-from tests.vllm.engine_proc import EngineProc  # noqa: E402
+from tests.vllm.engine_proc import EngineProc, prefill  # noqa: E402
 from tests.vllm.kvproto_config import events  # noqa: E402
 from tests.vllm.tiny_model import make_prompt  # noqa: E402
 
@@ -49,15 +49,6 @@ HELD_S = 3.0
 
 
 @pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    pytest.importorskip("transformers", reason="transformers comes with vllm")
-    from tests.vllm.tiny_model import build_tiny_llama
-
-    model_dir: Path = build_tiny_llama(tmp_path_factory.mktemp("tinyllama"))
-    return model_dir
-
-
-@pytest.fixture(scope="module")
 def engines(tiny_model_dir: Path, module_link: Link) -> Iterator[tuple[NsEngine, NsEngine]]:
     """P and D, shared by the module's tests in order (the last one kills P)."""
     link = module_link
@@ -72,17 +63,6 @@ def engines(tiny_model_dir: Path, module_link: Link) -> Iterator[tuple[NsEngine,
         link.faults.heal()
         d.stop()
         p.stop()
-
-
-def _prefill(p: EngineProc, prompt: str) -> dict[str, Any]:
-    (pre,) = p.call(
-        "generate",
-        prompts=[prompt],
-        sampling={"max_tokens": 1},
-        kv_transfer_params=[{"do_remote_decode": True}],
-    )
-    assert pre["kv_transfer_params"] is not None
-    return dict(pre["kv_transfer_params"])
 
 
 def _add(d: EngineProc, rid: str, prompt: str, params: dict[str, Any]) -> None:
@@ -115,12 +95,9 @@ def _wait(check: Any, timeout_s: float, what: str) -> float:
     return time.monotonic() - t0
 
 
-def test_a_write_stalled_on_the_wire_past_ds_lease_is_fenced_and_recomputed(
-    engines: tuple[NsEngine, NsEngine], module_link: Link
-) -> None:
-    link = module_link
-    p, d = engines
-    prompts = {f"w{k}": make_prompt(4 + k) for k in range(4)}
+def _healthy_first(p: EngineProc, d: EngineProc, prompts: dict[str, str]) -> dict[str, list[int]]:
+    """Every prompt's plain answer (P alone), then the first prompt pushed on a healthy link:
+    the side channel and UCX's connection are up before the fault, and P's write fills D."""
     base = {
         rid: list(
             p.call("generate", prompts=[prompt], sampling={"max_tokens": MAX_TOKENS})[0][
@@ -129,13 +106,23 @@ def test_a_write_stalled_on_the_wire_past_ds_lease_is_fenced_and_recomputed(
         )
         for rid, prompt in prompts.items()
     }
-    # A healthy write first: the side channel and UCX's connection are up before the fault.
-    _add(d, "w0", prompts["w0"], _prefill(p, prompts["w0"]))
-    (out,) = d.call("collect", request_ids=["w0"], timeout_s=60.0)
-    assert out["token_ids"] == base["w0"]
-    assert _outcomes(d, "w0") == [("written", "filled")]
+    first = next(iter(prompts))
+    _add(d, first, prompts[first], prefill(p, prompts[first]))
+    (out,) = d.call("collect", request_ids=[first], timeout_s=60.0)
+    assert out["token_ids"] == base[first]
+    assert _outcomes(d, first) == [("written", "filled")]
+    return base
 
-    params = _prefill(p, prompts["w1"])
+
+def test_a_write_stalled_on_the_wire_past_ds_lease_is_fenced_and_recomputed(
+    engines: tuple[NsEngine, NsEngine], module_link: Link
+) -> None:
+    link = module_link
+    p, d = engines
+    prompts = {f"w{k}": make_prompt(4 + k) for k in range(4)}
+    base = _healthy_first(p, d, prompts)
+
+    params = prefill(p, prompts["w1"])
     link.faults.stall_bulk(STALL_MIN_BYTES)
     stalled = time.monotonic()
     _add(d, "w1", prompts["w1"], params)
@@ -159,7 +146,7 @@ def test_a_write_stalled_on_the_wire_past_ds_lease_is_fenced_and_recomputed(
     # retransmission and be recomputed; bounded tries).
     written_again = None
     for rid in ("w2", "w3"):
-        _add(d, rid, prompts[rid], _prefill(p, prompts[rid]))
+        _add(d, rid, prompts[rid], prefill(p, prompts[rid]))
         (out,) = d.call("collect", request_ids=[rid], timeout_s=60.0)
         assert out["token_ids"] == base[rid], rid
         if _outcomes(d, rid) == [("written", "filled")]:
@@ -191,18 +178,8 @@ def test_p_killed_with_its_write_stalled_on_the_wire(
     link = module_link
     p, d = engines
     prompts = {f"k{k}": make_prompt(5 + k) for k in range(2)}
-    base = {
-        rid: list(
-            p.call("generate", prompts=[prompt], sampling={"max_tokens": MAX_TOKENS})[0][
-                "token_ids"
-            ]
-        )
-        for rid, prompt in prompts.items()
-    }
-    _add(d, "k0", prompts["k0"], _prefill(p, prompts["k0"]))
-    (out,) = d.call("collect", request_ids=["k0"], timeout_s=60.0)
-    assert out["token_ids"] == base["k0"] and _outcomes(d, "k0") == [("written", "filled")]
-    params = _prefill(p, prompts["k1"])
+    base = _healthy_first(p, d, prompts)
+    params = prefill(p, prompts["k1"])
     source = params["remote_request_id"]
     link.faults.stall_bulk(STALL_MIN_BYTES)
     _add(d, "k1", prompts["k1"], params)

@@ -479,3 +479,17 @@ class EngineProc:
             # its death pipe; a killed engine must not leave them behind.
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def prefill(p: EngineProc, prompt: str) -> dict[str, Any]:
+    """P's ``kv_transfer_params`` for ``prompt``: a one-token prefill for a remote decoder."""
+    (pre,) = p.call(
+        "generate",
+        prompts=[prompt],
+        sampling={"max_tokens": 1},
+        kv_transfer_params=[{"do_remote_decode": True}],
+    )
+    params = pre["kv_transfer_params"]
+    assert params is not None and params["do_remote_prefill"] is True
+    assert "kvproto" in params  # a KvprotoConnector prefill engine's ticket
+    return dict(params)

@@ -34,9 +34,9 @@ from .vllm_required import require_vllm
 
 require_vllm()
 
-from .engine_proc import EngineProc, EngineSpec, free_port  # noqa: E402
+from .engine_proc import EngineProc, EngineSpec, free_port, prefill  # noqa: E402
 from .kvproto_config import events, kvproto_config  # noqa: E402
-from .test_kvproto_pd import freed, prefill  # noqa: E402
+from .test_kvproto_pd import freed  # noqa: E402
 from .tiny_model import make_prompt  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

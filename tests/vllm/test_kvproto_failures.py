@@ -33,7 +33,7 @@ from .vllm_required import require_vllm
 
 require_vllm()
 
-from .engine_proc import EngineProc, EngineSpec, free_port  # noqa: E402
+from .engine_proc import EngineProc, EngineSpec, free_port, prefill  # noqa: E402
 from .kvproto_config import events, kvproto_config, stock_config  # noqa: E402
 from .tiny_model import make_prompt  # noqa: E402
 
@@ -52,17 +52,6 @@ def wait_until(what: str, cond: Callable[[], bool], timeout_s: float = 60.0) -> 
             raise TimeoutError(f"{what} not reached in {timeout_s} s")
         time.sleep(0.1)
     return time.monotonic() - t0
-
-
-def prefill(p: EngineProc, prompt: str) -> dict[str, Any]:
-    (pre,) = p.call(
-        "generate",
-        prompts=[prompt],
-        sampling={"max_tokens": 1},
-        kv_transfer_params=[{"do_remote_decode": True}],
-    )
-    assert pre["kv_transfer_params"] is not None
-    return dict(pre["kv_transfer_params"])
 
 
 class Busy:

@@ -30,26 +30,13 @@ from .vllm_required import require_vllm
 
 require_vllm()
 
-from .engine_proc import EngineProc, EngineSpec, free_port  # noqa: E402
+from .engine_proc import EngineProc, EngineSpec, free_port, prefill  # noqa: E402
 from .kvproto_config import events, kvproto_config  # noqa: E402
 from .tiny_model import make_prompt  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 MAX_TOKENS = 16
-
-
-def prefill(p: EngineProc, prompt: str) -> dict[str, Any]:
-    (pre,) = p.call(
-        "generate",
-        prompts=[prompt],
-        sampling={"max_tokens": 1},
-        kv_transfer_params=[{"do_remote_decode": True}],
-    )
-    params = pre["kv_transfer_params"]
-    assert params is not None and params["do_remote_prefill"] is True
-    assert "kvproto" in params
-    return dict(params)
 
 
 def baseline(p: EngineProc, prompt: str) -> list[int]:

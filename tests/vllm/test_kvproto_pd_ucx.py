@@ -44,7 +44,7 @@ from kvproto_vllm.config import KV_TRANSPORTS, parse_extra_config  # noqa: E402
 from kvproto_vllm.metadata import Grant, KvprotoMetadata  # noqa: E402
 from kvproto_vllm.transport_choice import BUILDERS  # noqa: E402
 
-from .engine_proc import EngineProc, EngineSpec, free_port  # noqa: E402
+from .engine_proc import EngineProc, EngineSpec, free_port, prefill  # noqa: E402
 from .kvproto_config import events, kvproto_config  # noqa: E402
 from .test_kvproto_failures import scenario_kill  # noqa: E402
 from .test_kvproto_pd import (  # noqa: E402
@@ -53,7 +53,6 @@ from .test_kvproto_pd import (  # noqa: E402
     check_full_transfer,
     check_partial_hit,
     decode,
-    prefill,
 )
 from .test_kvproto_worker import (  # noqa: E402
     INCARNATION,
