@@ -11,8 +11,10 @@ printed in pytest's terminal summary, so CI's log carries them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -76,24 +78,78 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.slow)
 
 
+STACKDUMP = HERE / "stackdump"
+"""A ``sitecustomize`` that makes SIGUSR1 print every thread's stack (faulthandler)."""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _engines_dump_stacks_on_sigusr1() -> Iterator[None]:
+    """Every engine the deployment tests start loads :data:`STACKDUMP` (through PYTHONPATH,
+    which the engines inherit); the variable is restored afterwards."""
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(STACKDUMP), old]))
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
-    """A failed test's report carries the last lines of every process of its deployment:
-    CI keeps only pytest's output, and a wedged or crashed engine says why only in its log."""
+    """A failed test's report carries every engine's threads' stacks and the last lines of
+    every process's log: CI keeps only pytest's output, and a hung or crashed engine says
+    why only in its log."""
     report = yield
     if report.failed and call.when == "call":
-        funcargs = getattr(item, "funcargs", {})
-        for value in funcargs.values():
+        for value in getattr(item, "funcargs", {}).values():
             if isinstance(value, Deployment):
-                for name, proc in value.procs.items():
-                    report.sections.append(
-                        (f"{name} log (last {LOG_TAIL} lines)", proc.log_tail(LOG_TAIL))
-                    )
+                report.sections.extend(_diagnosis(value))
     return report
+
+
+def _diagnosis(deployment: Deployment) -> list[tuple[str, str]]:
+    """(title, text) per process: its log's last lines, then the stacks SIGUSR1 printed."""
+    sizes = {name: _size(proc.log_path) for name, proc in deployment.procs.items()}
+    engines = [p for name, p in deployment.procs.items() if name != "router" and p.alive()]
+    for proc in engines:  # the router is not Python: SIGUSR1 would end it
+        for pid in proc.tree():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR1)
+            time.sleep(STACKS_WAIT_S)  # one process at a time: their dumps share the log
+    sections = []
+    for name, proc in deployment.procs.items():
+        sections.append((f"{name} log (last {LOG_TAIL} lines)", _tail(proc.log_path, sizes[name])))
+        if proc in engines:
+            dump = proc.log_path.read_bytes()[sizes[name] :].decode(errors="replace")
+            sections.append((f"{name} threads' stacks (SIGUSR1)", dump[-STACKS_MAX_CHARS:]))
+    return sections
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _tail(path: Path, end: int) -> str:
+    try:
+        with path.open("rb") as log:
+            text = log.read(end).decode(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-LOG_TAIL:])
 
 
 LOG_TAIL = 60
 """Lines of each process's log a failed deploy test's report carries."""
+STACKS_WAIT_S = 0.3
+"""How long each engine process gets to print its stacks before the next is signalled."""
+STACKS_MAX_CHARS = 40_000
+"""The end of each engine's stack dump kept in the report (the worker's threads come last)."""
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
