@@ -43,7 +43,7 @@ require_vllm()
 from kvproto.ticket import PARAMS_KEY, LeaseTicket  # noqa: E402
 from kvproto_vllm.metadata import KvprotoMetadata  # noqa: E402
 
-from .engine_proc import EngineProc, EngineSpec, free_port  # noqa: E402
+from .engine_proc import EngineProc, EngineSpec, free_port, prefill  # noqa: E402
 from .kvproto_config import events, kvproto_config, stock_config  # noqa: E402
 from .test_kvproto_scheduler import BLOCK, NUM_BLOCKS, request  # noqa: E402
 from .tiny_model import make_prompt  # noqa: E402
@@ -262,14 +262,7 @@ def test_multiconnector_pd(tiny_model_dir: Path, tmp_path: Path) -> None:
         prompt = make_prompt(8)
         (base,) = p.call("generate", prompts=[prompt], sampling={"max_tokens": MAX_TOKENS})
         free_before = p.call("state")["free_blocks"]
-        (pre,) = p.call(
-            "generate",
-            prompts=[prompt],
-            sampling={"max_tokens": 1},
-            kv_transfer_params=[{"do_remote_decode": True}],
-        )
-        params = pre["kv_transfer_params"]
-        assert params is not None and PARAMS_KEY in params
+        params = prefill(p, prompt)
         (dec,) = d.call(
             "generate",
             prompts=[prompt],
