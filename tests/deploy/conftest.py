@@ -82,10 +82,11 @@ STACKDUMP = HERE / "stackdump"
 """A ``sitecustomize`` that makes SIGUSR1 print every thread's stack (faulthandler)."""
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def _engines_dump_stacks_on_sigusr1() -> Iterator[None]:
-    """Every engine the deployment tests start loads :data:`STACKDUMP` (through PYTHONPATH,
-    which the engines inherit); the variable is restored afterwards."""
+    """Every engine a deployment test module starts loads :data:`STACKDUMP` (through
+    PYTHONPATH, which the engines inherit); the variable is restored after the module, so
+    tests elsewhere in the session see the environment they were given."""
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(STACKDUMP), old]))
     try:
