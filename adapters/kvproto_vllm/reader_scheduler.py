@@ -280,9 +280,10 @@ def _parse(
     params: dict[str, Any], groups: TransferGroups, tp_size: int, mode: str = "pull"
 ) -> tuple[LeaseTicket, str, int, list[list[int]], int | None, int, int] | str:
     """The ticket and addressing of a remote-prefill request, or why it is unusable."""
-    served = _served_modes(params.get(MODE_KEY, ["pull"]))
+    raw_modes = params.get(MODE_KEY, ["pull"])
+    served = _served_modes(raw_modes)
     if served is None:
-        return f"malformed {MODE_KEY} {params.get(MODE_KEY)!r} (a list of transfer modes)"
+        return f"malformed {MODE_KEY} {raw_modes!r} (a list of transfer modes)"
     if mode not in served:
         return (
             f"its prefill engine serves transfer_mode {' and '.join(served)}, this engine "

@@ -400,6 +400,20 @@ class Proc:
             return ""
         return "\n".join(text.splitlines()[-lines:])
 
+    def log_size(self) -> int:
+        """Bytes in its log now: an offset for :meth:`log_since`."""
+        try:
+            return self.log_path.stat().st_size
+        except OSError:
+            return 0
+
+    def log_since(self, offset: int) -> str:
+        """What its log gained after ``offset`` (a byte offset from :meth:`log_size`)."""
+        try:
+            return self.log_path.read_bytes()[offset:].decode(errors="replace")
+        except OSError:
+            return ""
+
 
 def healthy(url: str, timeout_s: float = 5.0) -> bool:
     """Whether ``url`` + ``/health`` answers 200 within ``timeout_s``."""

@@ -113,7 +113,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 def _diagnosis(deployment: Deployment) -> list[tuple[str, str]]:
     """(title, text) per process: its log's last lines, then the stacks SIGUSR1 printed."""
-    sizes = {name: _size(proc.log_path) for name, proc in deployment.procs.items()}
+    tails = {name: proc.log_tail(LOG_TAIL) for name, proc in deployment.procs.items()}
+    sizes = {name: proc.log_size() for name, proc in deployment.procs.items()}
     engines = [p for name, p in deployment.procs.items() if name != "router" and p.alive()]
     for proc in engines:  # the router is not Python: SIGUSR1 would end it
         for pid in proc.tree():
@@ -122,27 +123,11 @@ def _diagnosis(deployment: Deployment) -> list[tuple[str, str]]:
             time.sleep(STACKS_WAIT_S)  # one process at a time: their dumps share the log
     sections = []
     for name, proc in deployment.procs.items():
-        sections.append((f"{name} log (last {LOG_TAIL} lines)", _tail(proc.log_path, sizes[name])))
+        sections.append((f"{name} log (last {LOG_TAIL} lines)", tails[name]))
         if proc in engines:
-            dump = proc.log_path.read_bytes()[sizes[name] :].decode(errors="replace")
+            dump = proc.log_since(sizes[name])
             sections.append((f"{name} threads' stacks (SIGUSR1)", dump[-STACKS_MAX_CHARS:]))
     return sections
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
-
-
-def _tail(path: Path, end: int) -> str:
-    try:
-        with path.open("rb") as log:
-            text = log.read(end).decode(errors="replace")
-    except OSError:
-        return ""
-    return "\n".join(text.splitlines()[-LOG_TAIL:])
 
 
 LOG_TAIL = 60

@@ -489,8 +489,8 @@ def test_decode_killed_mid_burst_frees_its_leases_at_once(
     # Leases of earlier tests that no decoder claimed end by expiry first.
     wait_for(lambda: _leases_settled(pd), LEASE_S + 5.0, poll_s=0.2)
     before = _holder(pd)
-    p_log = pd.procs["prefill-0"].log_path
-    log_offset = p_log.stat().st_size
+    p_proc = pd.procs["prefill-0"]
+    log_offset = p_proc.log_size()
     with ThreadPoolExecutor(max_workers=16 + DECODE_SEQS) as pool:
         # Local work fills D's running slots first, so the burst waits in D's queue:
         # tracked and claimed (heartbeated), not yet read -- what a kill must free.
@@ -530,7 +530,7 @@ def test_decode_killed_mid_burst_frees_its_leases_at_once(
     assert sum(ended.values()) == granted  # every lease ended exactly once
     assert lost.freed_s <= lost.bound_s, lost
     assert answered + failed == 16
-    log = p_log.read_bytes()[log_offset:].decode(errors="replace")  # a byte offset
+    log = p_proc.log_since(log_offset)
     # The set-up held: the local work still had D's slots, so the burst was queued, not served.
     assert occupied_at_kill >= DECODE_SEQS, (occupied_at_kill, ended)
     if moment == "claimed":

@@ -146,16 +146,14 @@ def test_one_push_prefill_serves_a_pull_decoder_too_and_a_mode_it_lacks_is_refus
     prompt = "pull only: " + make_prompt(4)
     params = prefill(p_url, model, prompt)
     params[MODE_KEY] = ["pull"]
-    d_log = push_up.procs[push_up.decode_spec.name].log_path
-    offset = d_log.stat().st_size
+    d_proc = push_up.procs[push_up.decode_spec.name]
+    offset = d_proc.log_size()
     got = complete(
         push_up.decode_spec.url, model, prompt, max_tokens=MAX_TOKENS, kv_transfer_params=params
     )
     baseline.check("completion", prompt, MAX_TOKENS, got)
     warned = [
-        line
-        for line in d_log.read_bytes()[offset:].decode(errors="replace").splitlines()
-        if "is prefilled locally" in line
+        line for line in d_proc.log_since(offset).splitlines() if "is prefilled locally" in line
     ]
     assert len(warned) == 1 and "WARNING" in warned[0], warned
     assert "serves transfer_mode pull, this engine runs 'push'" in warned[0], warned

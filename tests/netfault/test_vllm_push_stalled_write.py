@@ -81,9 +81,19 @@ def _outcomes(d: EngineProc, rid: str) -> list[tuple[str, str]]:
     return [
         (kind, detail)
         for kind in ("fenced", "written", "load-failed")
-        for t, kind_, subject, detail in events(state, kind)
+        for _, _, subject, detail in events(state, kind)
         # vLLM appends a suffix of its own to the request id it was given.
         if subject == rid or subject.startswith(rid + "-")
+    ]
+
+
+def _p_writes(p: EngineProc, source: str) -> list[tuple[str, str]]:
+    """P's push events for the writes out of request ``source``'s blocks (tracked per
+    writable lease: ``<source>#<D engine>#<lease>``): (kind, detail) in order."""
+    return [
+        (kind, detail)
+        for _, kind, subject, detail in p.call("connector_state")["worker"]["events"]
+        if subject.startswith(source + "#")
     ]
 
 
@@ -154,12 +164,7 @@ def test_a_write_stalled_on_the_wire_past_ds_lease_is_fenced_and_recomputed(
             break
     assert written_again is not None, (_outcomes(d, "w2"), _outcomes(d, "w3"))
     d_stats = d.call("worker_states")[0]["stats"]
-    source = params["remote_request_id"]
-    p_writes = [
-        (kind, detail)
-        for _, kind, subject, detail in p.call("connector_state")["worker"]["events"]
-        if subject.startswith(source + "#")
-    ]
+    p_writes = _p_writes(p, params["remote_request_id"])
     # P did write (the bytes were on the wire), and its late done was answered LATE.
     assert [k for k, _ in p_writes] == ["registration", "writing", "write-failed"], p_writes
     assert p_writes[-1][1] == "fenced-late", p_writes
@@ -184,13 +189,7 @@ def test_p_killed_with_its_write_stalled_on_the_wire(
     link.faults.stall_bulk(STALL_MIN_BYTES)
     _add(d, "k1", prompts["k1"], params)
 
-    def writing() -> bool:
-        return any(
-            kind == "writing" and subject.startswith(source + "#")
-            for _, kind, subject, _ in p.call("connector_state")["worker"]["events"]
-        )
-
-    _wait(writing, 20.0, "P's write")
+    _wait(lambda: any(k == "writing" for k, _ in _p_writes(p, source)), 20.0, "P's write")
     killed = time.monotonic()
     p.kill()
     # The loss report is proof that nothing more of P's lands (spec/push-mode.md section 5):
