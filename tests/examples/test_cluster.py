@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -41,19 +42,22 @@ def _start_tree(tmp_path: Path) -> tuple[Proc, list[int]]:
         if log.read_text().strip():
             break
         os.sched_yield()
-        import time
-
         time.sleep(0.02)
     children = [int(p) for p in log.read_text().split()]
     return proc, children
 
 
-def _alive(pid: int) -> bool:
+def _state(pid: int) -> str:
+    """The state letter of ``pid`` in /proc ("" when it is gone)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+        return ""
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+def _alive(pid: int) -> bool:
+    return _state(pid) not in ("", "Z")
 
 
 @pytest.mark.parametrize("how", ["stop", "kill"])
@@ -64,6 +68,32 @@ def test_stop_and_kill_reach_every_process_of_the_tree(tmp_path: Path, how: str)
     getattr(proc, how)()
     assert not proc.alive()
     assert not any(_alive(p) for p in [proc.pid, *children])
+    assert proc.tree() == []
+
+
+#: A leader whose main thread exits while another thread still runs: the leader reads
+#: ``Z`` in /proc, as every killed process's leader does while its threads tear it down.
+LEADER_GONE_FIRST = textwrap.dedent(
+    """
+    import ctypes, sys, threading, time
+    threading.Thread(target=time.sleep, args=(300,)).start()
+    print("up", flush=True)
+    ctypes.CDLL(None).pthread_exit(None)
+    """
+)
+
+
+def test_a_zombie_leader_with_a_running_thread_is_still_in_the_tree(tmp_path: Path) -> None:
+    log = tmp_path / "leader.log"
+    proc = Proc.start("leader", [sys.executable, "-c", LEADER_GONE_FIRST], dict(os.environ), log)
+    try:
+        deadline = time.monotonic() + 30.0
+        while _state(proc.pid) != "Z" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _state(proc.pid) == "Z" and log.read_text().strip() == "up"
+        assert proc.tree() == [proc.pid]
+    finally:
+        proc.kill()
     assert proc.tree() == []
 
 
