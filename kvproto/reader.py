@@ -63,7 +63,7 @@ from kvproto.reader_writes import ReaderWrites
 from kvproto.states import ReadInput, ReadState, SessionState, read_next
 from kvproto.stats import ReaderStats, counts_of
 from kvproto.ticket import LeaseTicket, claim_prover, ticket_problem
-from kvproto.tpmath import BlockSlice, part_slices
+from kvproto.tpmath import BlockSlice, part_slices, write_slices
 from kvproto.transport import PeerId
 
 # Enum members as module constants: CPython 3.11 resolves ``State.MEMBER`` through
@@ -97,7 +97,8 @@ class Reader(ReaderEnds, ReaderWrites):
     ) -> None:
         """``replicated_kv``: every holder rank keeps the whole KV (MLA), so a request
         reads from one of its holder ranks and sends the others only its done
-        (:func:`kvproto.tpmath.part_slices`)."""
+        (:func:`kvproto.tpmath.part_slices`); a ``writes=True`` request writes all of
+        it into every holder rank (:func:`kvproto.tpmath.write_slices`)."""
         if not 0 <= rank < tp_size:
             raise LocalProtocolError(f"rank {rank} outside TP size {tp_size}")
         self.config = config
@@ -329,7 +330,7 @@ class Reader(ReaderEnds, ReaderWrites):
 
     def _order(self, req: Request, session: Session, rank: int, notify: bytes) -> ReadOrder:
         """The transfer this reader rank makes with holder ``rank``, ``notify`` attached."""
-        slices = part_slices(
+        slices = (write_slices if req.writes else part_slices)(
             self.rank,
             self.tp_size,
             req.ticket.holder_tp_size,

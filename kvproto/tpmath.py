@@ -17,7 +17,9 @@ Follows the NIXL transfer flow of vLLM's NixlConnector (spec/vllm-api.md §9):
   stock NixlConnector picks, and sends the others of its target ranks only
   the completion notification (:func:`part_slices`). Which ranks it
   heartbeats and how many dones a holder rank waits for are unchanged, so a
-  holder rank nobody reads from still frees at once.
+  holder rank nobody reads from still frees at once. A writer (push mode)
+  writes the whole latent into every holder rank instead, each once
+  (:func:`write_slices`).
 * A partial prefix hit reads only the tail of the remote blocks; zero local
   blocks means nothing to read, only the completion notification.
 """
@@ -159,6 +161,29 @@ def part_slices(
     if remote_rank not in targets:
         raise LocalProtocolError(f"rank {local_rank} does not read from remote rank {remote_rank}")
     return (BlockSlice.FULL, BlockSlice.FULL) if remote_rank == targets[0] else None
+
+
+def write_slices(
+    local_rank: int, local_tp: int, remote_tp: int, remote_rank: int, *, replicated: bool
+) -> tuple[BlockSlice, BlockSlice] | None:
+    """What a writer rank (push mode) writes into one of its holder ranks: (local, remote)
+    slices, or None when it writes nothing there and only sends the done.
+
+    Without replication this is :func:`read_slices`: a write moves the bytes a read
+    of the same pair of ranks would, the other way. With it every holder rank keeps
+    the whole latent, so each must receive all of it: a writer rank with several
+    target ranks writes whole blocks into every one of them, and of the writer ranks
+    that share one holder rank only the first (``local_rank % ratio == 0``) writes,
+    the others send their done alone. Which ranks a writer heartbeats and how many
+    dones a holder rank waits for are unchanged.
+    """
+    if not replicated:
+        return read_slices(local_rank, local_tp, remote_tp, remote_rank)
+    targets = target_remote_ranks(local_rank, local_tp, remote_tp)
+    if remote_rank not in targets:
+        raise LocalProtocolError(f"rank {local_rank} does not write to remote rank {remote_rank}")
+    ratio = tp_ratio(local_tp, remote_tp)
+    return None if ratio > 1 and local_rank % ratio else (BlockSlice.FULL, BlockSlice.FULL)
 
 
 def descriptor_ids(block_ids: Sequence[int], num_regions: int, num_blocks: int) -> list[int]:

@@ -20,6 +20,7 @@ from kvproto.config import LeaseConfig
 from kvproto.errors import LocalProtocolError
 from kvproto.events import FailReason, ReadDeclined, ReadDeferred, ReadGo
 from kvproto.states import LeaseState, ReadState, WriteState
+from kvproto.tpmath import BlockSlice
 
 from .net import LinkFaults
 from .pushnet import PushNet
@@ -411,4 +412,47 @@ def test_a_new_incarnation_under_the_writers_name_does_not_disarm_it() -> None:
     holder.peer_lost(net.local("D0"), "P0")
     net.collect()
     assert net.freed_leases()[1:] == [(60.0, lease, "PEER_LOST")]
+    net.check_write_fence()
+
+
+def test_replicated_kv_writer_tp1_writes_the_whole_latent_into_each_holder_rank() -> None:
+    """MLA, P TP 1 -> D TP 2: every D rank keeps the whole latent, so P's one rank writes
+    whole blocks into both (a read would take them from one); each D rank frees on its done."""
+    net = PushNet()
+    for rank in range(2):
+        net.add_holder(f"D{rank}", engine="D", rank=rank, tp_size=2)
+    net.add_reader("P0", engine="P", replicated_kv=True)
+    ticket = net.grant_writable("D0", "d-r1")
+    net.holder("D1").adopt(net.local("D1"), ticket, writable=True)
+    net.track_writer("P0", "r1", ticket)
+    net.run_until(1.0)
+    go = net.start_write("P0", "r1", duration=0.5)
+    assert isinstance(go, ReadGo)
+    assert sorted(
+        (o.holder_rank, o.carries_data, o.local_slice, o.remote_slice) for o in go.orders
+    ) == [(0, True, BlockSlice.FULL, BlockSlice.FULL), (1, True, BlockSlice.FULL, BlockSlice.FULL)]
+    net.run_until(5.0)
+    assert [net.freed_leases(h) for h in ("D0", "D1")] == [[(1.5, ticket.lease, "DONE")]] * 2
+    net.check_write_fence()
+
+
+def test_replicated_kv_writer_tp2_writes_from_one_rank_the_other_sends_its_done() -> None:
+    """MLA, P TP 2 -> D TP 1: both P ranks hold the same latent; the first writes it, the
+    second's write carries no data, only the done D counts (two expected consumers)."""
+    net = PushNet()
+    net.add_holder("D0", engine="D")
+    for rank in range(2):
+        net.add_reader(f"P{rank}", engine="P", rank=rank, tp_size=2, replicated_kv=True)
+    ticket = net.grant_writable("D0", "d-r1")
+    for rank in range(2):
+        net.track_writer(f"P{rank}", "r1", ticket)
+    net.run_until(1.0)
+    orders = []
+    for rank in range(2):
+        go = net.start_write(f"P{rank}", "r1", duration=0.5)
+        assert isinstance(go, ReadGo)
+        orders += [(rank, o.holder_rank, o.carries_data, o.remote_slice) for o in go.orders]
+    assert orders == [(0, 0, True, BlockSlice.FULL), (1, 0, False, BlockSlice.FULL)]
+    net.run_until(5.0)
+    assert net.freed_leases("D0") == [(1.5, ticket.lease, "DONE")]
     net.check_write_fence()

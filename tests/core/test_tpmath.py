@@ -17,6 +17,7 @@ from kvproto.tpmath import (
     read_slices,
     target_remote_ranks,
     tp_ratio,
+    write_slices,
 )
 
 
@@ -106,6 +107,32 @@ def test_replicated_kv_reads_each_reader_rank_once_and_leaves_no_done_out(
         )
     with pytest.raises(LocalProtocolError):
         part_slices(0, 4, 2, 1, replicated=True)  # rank 0 does not read from remote rank 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from([1, 2, 4, 8]), st.sampled_from([1, 2, 4, 8]), st.booleans())
+def test_writes_fill_every_holder_rank_once(holder_tp: int, writer_tp: int, mla: bool) -> None:
+    """Push mode: every holder rank receives the whole of what it keeps exactly once (MLA:
+    the whole latent, from one writer rank; else each writer's head slice), and each of
+    its expected consumers sends it a done (a data write or a done-only one)."""
+    filled: dict[int, list[tuple[BlockSlice, BlockSlice]]] = {h: [] for h in range(holder_tp)}
+    dones = dict.fromkeys(range(holder_tp), 0)
+    for rank in range(writer_tp):
+        for h in target_remote_ranks(rank, writer_tp, holder_tp):
+            dones[h] += 1
+            plan = write_slices(rank, writer_tp, holder_tp, h, replicated=mla)
+            if plan is not None:
+                filled[h].append(plan)
+    assert set(dones.values()) == {expected_consumers(holder_tp, writer_tp)}
+    for plans in filled.values():
+        if mla:
+            assert plans == [(BlockSlice.FULL, BlockSlice.FULL)]
+        else:
+            # The writer slices of one holder rank tile its blocks (or one writes them whole).
+            remote = sorted((r.index, r.parts) for _, r in plans)
+            assert remote == [(i, len(plans)) for i in range(len(plans))] or remote == [(0, 1)]
+    with pytest.raises(LocalProtocolError):
+        write_slices(0, 2, 4, 3, replicated=True)  # rank 0 writes to remote ranks 0 and 1
 
 
 def test_read_slices_seed_examples() -> None:
