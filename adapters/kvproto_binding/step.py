@@ -126,18 +126,22 @@ class BindingStats:
 
 @dataclass(slots=True)
 class _Parts:
-    """The READs that fill one holder rank's share of a request whose local blocks each
-    take several holder blocks: one READ per part, and the done only once all landed (a
-    done attached to one of them could free the holder's blocks under the others)."""
+    """The transfers between one holder rank's share of a request and blocks that each
+    hold several of the other side's (the decoder's are larger): one READ (pull: into a
+    part of the reader's blocks) or WRITE (push: into a part of the holder's) per part,
+    and the done only once all landed (a done attached to one of them could free the
+    holder's blocks under the others, or tell it a half-written block is whole)."""
 
     request_id: str
     rank: int
     peer: PeerId
     notify: bytes
-    """The done to send when the last READ has landed (empty: a sibling carries it)."""
+    """The done to send when the last transfer has landed (empty: a sibling carries it)."""
     left: int = 0
-    """READs still in flight."""
+    """Transfers still in flight."""
     failed: bool = False
+    write: bool = False
+    """WRITEs (push mode), else READs."""
 
 
 def part_slice(within: BlockSlice, part: int, parts: int) -> BlockSlice:
@@ -162,8 +166,8 @@ class Binding:
         self.reader = reader
         self.stats = BindingStats()
         self._reads: dict[ReadId, tuple[str, int] | _Parts] = {}
-        self._writes: dict[WriteId, tuple[str, int]] = {}
-        """Writes in flight (push mode): (request id, holder rank)."""
+        self._writes: dict[WriteId, tuple[str, int] | _Parts] = {}
+        """Writes in flight (push mode): (request id, holder rank), or a write in parts."""
         self._held_failures: dict[str, RequestFailed] = {}
         """Failures of requests with reads in flight, surfaced when the last read ends."""
         self._cores: tuple[Holder | Reader, ...] = tuple(
@@ -265,6 +269,8 @@ class Binding:
         *,
         local_blocks: Sequence[int],
         remote_blocks: Sequence[int],
+        remote_parts: Sequence[int] = (),
+        parts: int = 1,
     ) -> ReadGo | ReadDeferred | ReadDeclined:
         """Push mode: arm, then begin the writes of a ``writes=True`` request (one per
         holder rank), each with its done attached (spec/push-mode.md).
@@ -272,7 +278,11 @@ class Binding:
         ``ReadDeferred``: the Arms went out and nothing was written; call again at a
         later step (after the holder's answers, which :meth:`step` applies). The pairs
         are one to one: ``local_blocks[i]`` is written into the holder's
-        ``remote_blocks[i]``. The request's local blocks are read by the transport until
+        ``remote_blocks[i]``. With ``parts > 1`` each holder block takes ``parts`` of
+        ours (the holder's blocks are larger): ``local_blocks[i]`` fills part
+        ``remote_parts[i]`` of ``remote_blocks[i]``, one WRITE per part, and the done
+        follows once all landed (remote completion), alone, as a zero-block write's
+        notification. The request's local blocks are read by the transport until
         the write ends: a failure of the request meanwhile is held back until then,
         as for a read. Misuse (:class:`LocalProtocolError`): a transport that does
         not write.
@@ -283,7 +293,13 @@ class Binding:
             raise LocalProtocolError(f"transport {transport.name} does not write")
         decision = reader.begin_write(now, request_id)
         if isinstance(decision, ReadGo):
+            split = (
+                _split_parts(remote_blocks, local_blocks, remote_parts, parts) if parts > 1 else {}
+            )
             for order in decision.orders:
+                if split and order.carries_data:
+                    self._write_parts(now, request_id, order, split, parts)
+                    continue
                 try:
                     write_id = transport.write_blocks(
                         order.peer,
@@ -329,25 +345,68 @@ class Binding:
         if not group.left:
             self._need_reader().read_failed(now, request_id, order.holder_rank)
 
+    def _write_parts(
+        self,
+        now: float,
+        request_id: str,
+        order: ReadOrder,
+        split: dict[int, tuple[list[int], list[int]]],
+        parts: int,
+    ) -> None:
+        """One WRITE per part of the holder's blocks, no done attached (see :class:`_Parts`).
+
+        ``split``: part -> (the holder's blocks, ours)."""
+        transport = self.transport
+        assert isinstance(transport, WritableTransport)
+        group = _Parts(request_id, order.holder_rank, order.peer, order.notify, write=True)
+        for part, (remote, local) in split.items():
+            try:
+                write_id = transport.write_blocks(
+                    order.peer,
+                    local_blocks=local,
+                    remote_blocks=remote,
+                    local_slice=order.local_slice,
+                    remote_slice=part_slice(order.remote_slice, part, parts),
+                )
+            except TransportError as exc:
+                log.warning("write of %s to %s refused: %s", request_id, order.peer, exc)
+                group.failed = True
+                break
+            group.left += 1
+            self._writes[write_id] = group
+        if not group.left:
+            self._need_reader().write_failed(now, request_id, order.holder_rank)
+
     def _parts_landed(self, now: float, group: _Parts) -> None:
-        """The last READ of a :class:`_Parts` ended: fail it, or send its done."""
+        """The last transfer of a :class:`_Parts` ended: fail it, or send its done."""
         reader = self._need_reader()
+        failed = reader.write_failed if group.write else reader.read_failed
         if group.failed:
-            reader.read_failed(now, group.request_id, group.rank)
+            failed(now, group.request_id, group.rank)
             return
         if not group.notify:
-            reader.read_completed(now, group.request_id, group.rank)
+            (reader.write_completed if group.write else reader.read_completed)(
+                now, group.request_id, group.rank
+            )
             return
         try:
-            # Every part is in local memory now: the done may go (notify-only read).
-            read_id = self.transport.read_blocks(
-                group.peer, local_blocks=[], remote_blocks=[], notify=group.notify
-            )
+            # Every part is in place now (in our memory, or remotely completed in the
+            # holder's): the done may go, a zero-block transfer's notification.
+            if group.write:
+                transport = self.transport
+                assert isinstance(transport, WritableTransport)
+                done_id = transport.write_blocks(
+                    group.peer, local_blocks=[], remote_blocks=[], notify=group.notify
+                )
+                self._writes[done_id] = (group.request_id, group.rank)
+            else:
+                done_id = self.transport.read_blocks(
+                    group.peer, local_blocks=[], remote_blocks=[], notify=group.notify
+                )
+                self._reads[done_id] = (group.request_id, group.rank)
         except TransportError as exc:
             log.warning("done of %s to %s refused: %s", group.request_id, group.peer, exc)
-            reader.read_failed(now, group.request_id, group.rank)
-            return
-        self._reads[read_id] = (group.request_id, group.rank)
+            failed(now, group.request_id, group.rank)
 
     def step(self, now: float) -> StepResult:
         """Poll, run timers, execute outputs. Returns what the engine must act on."""
@@ -415,11 +474,19 @@ class Binding:
         entry = self._writes.pop(write_id, None)
         if entry is None or self.reader is None:
             return
-        request_id, rank = entry
-        if ok:
-            self.reader.write_completed(now, request_id, rank)
+        if isinstance(entry, _Parts):
+            entry.left -= 1
+            entry.failed = entry.failed or not ok
+            if entry.left:
+                return
+            request_id = entry.request_id
+            self._parts_landed(now, entry)
         else:
-            self.reader.write_failed(now, request_id, rank)
+            request_id, rank = entry
+            if ok:
+                self.reader.write_completed(now, request_id, rank)
+            else:
+                self.reader.write_failed(now, request_id, rank)
         if request_id in self._held_failures and not self._reading(request_id):
             self._engine_outputs.append(self._held_failures.pop(request_id))
 
@@ -458,7 +525,10 @@ class Binding:
     def writing(self, request_id: str) -> bool:
         """Whether a write out of ``request_id``'s blocks is still in flight (push mode: the
         writer's engine keeps those blocks until it ended, whatever its own leases say)."""
-        return any(e[0] == request_id for e in self._writes.values())
+        return any(
+            (e.request_id if isinstance(e, _Parts) else e[0]) == request_id
+            for e in self._writes.values()
+        )
 
     def _flush(self, now: float) -> None:
         """Carry out every output until the cores are quiet.
@@ -515,16 +585,18 @@ def _split_parts(
     local_parts: Sequence[int],
     parts: int,
 ) -> dict[int, tuple[list[int], list[int]]]:
-    """part -> (local blocks, remote blocks) of its READ, from one-to-one pair lists."""
+    """part -> (local blocks, remote blocks) of its transfer, from one-to-one pair lists
+    (``local``: the side whose blocks are in parts: ours for a read, the holder's for a
+    write)."""
     if not len(local_blocks) == len(remote_blocks) == len(local_parts):
         raise LocalProtocolError(
-            f"{len(local_blocks)} local blocks, {len(remote_blocks)} remote blocks and "
-            f"{len(local_parts)} parts: the pairs of a read in parts are one to one"
+            f"{len(local_blocks)} blocks in parts, {len(remote_blocks)} whole blocks and "
+            f"{len(local_parts)} parts: the pairs of a transfer in parts are one to one"
         )
     split: dict[int, tuple[list[int], list[int]]] = {}
     for lb, rb, part in zip(local_blocks, remote_blocks, local_parts, strict=True):
         if not 0 <= part < parts:
-            raise LocalProtocolError(f"part {part} of a block read in {parts} parts")
+            raise LocalProtocolError(f"part {part} of a block moved in {parts} parts")
         mine, theirs = split.setdefault(part, ([], []))
         mine.append(lb)
         theirs.append(rb)

@@ -25,7 +25,9 @@ BLOCK = 64
 class PushWorld:
     """D (holder) and P (writer) endpoints on one loopback network, stepped together."""
 
-    def __init__(self, *, delay: float = 0.001, bandwidth: float | None = None) -> None:
+    def __init__(
+        self, *, delay: float = 0.001, bandwidth: float | None = None, d_block: int = BLOCK
+    ) -> None:
         self.cfg = LeaseConfig()
         self.net = LoopbackNetwork(seed=5, detection_delay=0.05, read_bandwidth=bandwidth)
         self.p_ep = self.net.endpoint("P")
@@ -33,7 +35,7 @@ class PushWorld:
         self.net.set_link("P", "D", LinkFaults(delay=delay))
         self.net.set_link("D", "P", LinkFaults(delay=delay))
         self.p_ep.register_blocks(self.p_ep.allocate_layout(2, BLOCK, 8))
-        self.d_ep.register_blocks(self.d_ep.allocate_layout(2, BLOCK, 8))
+        self.d_ep.register_blocks(self.d_ep.allocate_layout(2, d_block, 8))
         holder = Holder(self.cfg, engine="D", incarnation=1, entropy=counter_entropy(1))
         writer = Reader(self.cfg, engine="P", incarnation=2, entropy=counter_entropy(99))
         self.d = Binding(self.d_ep, holder=holder)
@@ -70,16 +72,20 @@ class PushWorld:
             self.confirmed += [(t, rid) for rid in result.confirmed]
             self.failed += [(t, f.reason.value) for f in result.failed]
 
-    def write(self, at: float, local: list[int], remote: list[int]) -> ReadGo:
-        """Arm at ``at``, then write at the step after the ArmAck came back."""
+    def write(
+        self, at: float, local: list[int], remote: list[int], parts: list[int] | None = None
+    ) -> ReadGo:
+        """Arm at ``at``, then write at the step after the ArmAck came back (``parts``: the
+        part of its holder block each local block fills, D's blocks being twice P's)."""
+        split = {} if parts is None else {"remote_parts": parts, "parts": 2}
         self.run(at)
-        first = self.p.start_write(at, "p-1", local_blocks=local, remote_blocks=remote)
+        first = self.p.start_write(at, "p-1", local_blocks=local, remote_blocks=remote, **split)
         assert isinstance(first, ReadDeferred)
         t = at
         while True:
             t += 0.01
             self.run(t)
-            go = self.p.start_write(t, "p-1", local_blocks=local, remote_blocks=remote)
+            go = self.p.start_write(t, "p-1", local_blocks=local, remote_blocks=remote, **split)
             if isinstance(go, ReadGo):
                 return go
             assert isinstance(go, ReadDeferred), go
@@ -99,6 +105,32 @@ def test_a_write_moves_the_bytes_and_the_done_fills_the_blocks() -> None:
         for local, remote in zip([5, 6, 7], [0, 1, 2], strict=True):
             assert w.d_ep.read_block(region, remote) == bytes([region * 16 + local]) * BLOCK
     assert w.p_ep.counters.reads_started == 1  # the one write (loopback counts transfers)
+
+
+def test_a_write_into_larger_holder_blocks_fills_their_parts_and_the_done_follows_the_last() -> (
+    None
+):
+    """D's blocks hold two of P's: one WRITE per part (two here), and the done only once
+    both landed, alone (a done riding the first could tell D a half-written block is
+    whole)."""
+    w = PushWorld(bandwidth=384.0, d_block=2 * BLOCK)  # part 0 (256 B) 0.67 s, part 1 0.33 s
+    lease = w.registered()
+    go = w.write(1.0, local=[4, 5, 6], remote=[1, 1, 2], parts=[0, 1, 0])
+    began = w.net.now
+    assert len(go.orders) == 1
+    w.run(began + 0.5)
+    assert w.freed == [] and w.d.holder is not None
+    assert w.d.holder.write_state(lease) is WriteState.ARMED  # part 0 still on the wire
+    assert w.p.writing("p-1")
+    w.run(began + 2.0)
+    assert [reason for _, reason in w.freed] == [ReleaseReason.DONE]
+    assert w.freed[0][0] >= began + 0.67  # after the slower part landed
+    assert [rid for _, rid in w.confirmed] == ["p-1"] and w.failed == [] and w.fenced == []
+    for region in range(2):
+        tag = region * 16
+        assert w.d_ep.read_block(region, 1) == bytes([tag + 4]) * BLOCK + bytes([tag + 5]) * BLOCK
+        assert w.d_ep.read_block(region, 2)[:BLOCK] == bytes([tag + 6]) * BLOCK
+    assert not w.p.writing("p-1")
 
 
 def test_a_write_landing_after_the_lease_is_fenced_and_freed_only_when_it_landed() -> None:
