@@ -29,7 +29,7 @@ from .groups import TransferGroups
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-ADAPTER_PROTOCOL = 2
+ADAPTER_PROTOCOL = 3
 """Bumped when the adapter's kv_transfer_params or side-channel use changes."""
 
 

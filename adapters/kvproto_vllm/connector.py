@@ -111,14 +111,12 @@ class KvprotoConnector(KVConnectorBase_V1, SupportsHMA):
         self.groups = transfer_groups(vllm_config, kv_cache_config)
         push = self.adapter_config.transfer_mode == "push"
         if self.groups.hybrid and (
-            self.adapter_config.bidirectional_kv_xfer
-            or self.adapter_config.lease.accept_legacy
-            or push
+            self.adapter_config.bidirectional_kv_xfer or self.adapter_config.lease.accept_legacy
         ):
             raise UnsupportedShape(
                 f"KvprotoConnector transfers this model's KV cache groups "
-                f"({self.groups.describe()}) in plain pull P/D only: bidirectional_kv_xfer, "
-                "accept_legacy and transfer_mode 'push' need a single full-attention group"
+                f"({self.groups.describe()}) in P/D (pull or push) only: bidirectional_kv_xfer "
+                "and accept_legacy need a single full-attention group"
             )
         if self.adapter_config.bidirectional_kv_xfer or push:
             # Turn 2 reverses the roles: D holds the conversation's blocks and P reads

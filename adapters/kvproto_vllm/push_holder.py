@@ -6,7 +6,9 @@ grants). Here each rank sends the registration (:mod:`.push_registration`) to th
 ranks that write into it, and reports the lease's end (spec/push-mode.md §7):
 
 * ``FreeBlocks(DONE)``, no ``WriteFenced`` before it: every expected writer's done
-  arrived after its data: ``finished_recving``, the blocks are used;
+  arrived after its data: ``finished_recving``, the blocks are used (written in parts
+  where D's blocks are larger than P's, they are put in the page order first, as a
+  read's are: :meth:`.reader_worker.ReaderWorker.regroup`);
 * any other ``FreeBlocks`` (expired, revoked, peer lost, or after a ``WriteFenced``):
   a failed load, ``finished_recving`` + ``failed_recving`` with the blocks as load
   errors, so vLLM recomputes into them, which is safe only now: no write can land;
@@ -108,6 +110,8 @@ class PushHolder(LoadReports):
                 port=self._port,
                 holder_blocks=list(recv.local_block_ids),
                 writer_blocks=list(recv.remote_block_ids),
+                parts=recv.ratio,
+                holder_parts=list(recv.local_parts),
             )
         )
         writers = [
@@ -168,8 +172,12 @@ class PushHolder(LoadReports):
         for free in ended:
             load = self._loads.get(free.request_id)
             if load is not None:
-                filled = free.reason is ReleaseReason.DONE and not load.fenced
-                self._end(free.request_id, load, "filled" if filled else free.reason.name)
+                outcome = free.reason.name
+                if free.reason is ReleaseReason.DONE and not load.fenced:
+                    # Every part was written whole: put them in the page order.
+                    regrouped = self._readers.regroup(free.request_id, load.recv)
+                    outcome = "filled" if regrouped is None else regrouped
+                self._end(free.request_id, load, outcome)
 
     def _end(self, rid: str, load: _Load, outcome: str) -> None:
         del self._loads[rid]

@@ -128,7 +128,12 @@ class PushWriter:
             reg = write.registration
             try:
                 decision = binding.start_write(
-                    now, rid, local_blocks=reg.writer_blocks, remote_blocks=reg.holder_blocks
+                    now,
+                    rid,
+                    local_blocks=reg.writer_blocks,
+                    remote_blocks=reg.holder_blocks,
+                    remote_parts=reg.holder_parts,
+                    parts=reg.parts,
                 )
             except TransportError as exc:
                 log.error("request %s: write refused: %s", rid, exc)

@@ -316,14 +316,6 @@ def _parse(
     tp_problem = groups.hetero_tp_problem(tp_size, ticket.holder_tp_size)
     if tp_problem is not None:
         return f"cannot read {tp_problem}"
-    if mode == "push" and groups.mla and tp_size > ticket.holder_tp_size:
-        # A writer rank writes the latent to the one holder rank part_slices gives it:
-        # the other ranks of this engine would keep empty blocks.
-        return (
-            f"push mode cannot write MLA's latent KV from {ticket.holder_tp_size} prefill "
-            f"rank(s) into {tp_size} decode ranks (every decode rank needs all of it); use "
-            "transfer_mode 'pull' or equal TP sizes"
-        )
     tokens = params.get("remote_num_tokens")
     remote_tokens = tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None
     holder_block = params.get("remote_block_size", groups.block_size)
@@ -332,11 +324,6 @@ def _parse(
     ratio = block_ratio(groups.block_size, holder_block) if groups.block_size else 1
     if isinstance(ratio, str):
         return ratio
-    if ratio > 1 and mode == "push":
-        return (
-            f"blocks of {holder_block} tokens (holder) and {groups.block_size} (here): push "
-            "mode writes equal blocks only"
-        )
     if ratio > 1 and (groups.packed or SSM in groups.kinds):
         return (
             f"blocks of {holder_block} tokens (holder) and {groups.block_size} (here) with "

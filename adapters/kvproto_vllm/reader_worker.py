@@ -369,8 +369,8 @@ class ReaderWorker(LoadReports):
             return
         if read.aborted:
             self._reader_finish(now, rid)
-        if failure is None and read.recv.ratio > 1 and not read.aborted:
-            failure = self._regroup(rid, read.recv)
+        if failure is None and not read.aborted:
+            failure = self.regroup(rid, read.recv)
         if failure is None:
             self._record("confirmed", rid, f"{len(read.recv.local_block_ids)} blocks")
         else:
@@ -384,8 +384,11 @@ class ReaderWorker(LoadReports):
             self._bad_blocks.update(read.recv.local_block_ids)
             self.counters.failed_recving += 1
 
-    def _regroup(self, rid: str, recv: Recv) -> str | None:
-        """Put a confirmed read's parts in page order; why not, as a failure reason."""
+    def regroup(self, rid: str, recv: Recv) -> str | None:
+        """Put the parts of a confirmed read's (or a filled write's) blocks in page order;
+        why not, as a failure reason (nothing to do at ratio 1)."""
+        if recv.ratio == 1:
+            return None
         try:
             if isinstance(self._pages, str):
                 raise CannotRegroup(self._pages)
@@ -393,7 +396,7 @@ class ReaderWorker(LoadReports):
                 recv.ratio, recv.local_block_ids, recv.local_parts, recv.filled_block_ids
             )
         except (CannotRegroup, KeyError, IndexError) as exc:
-            log.error("request %s: read blocks not regrouped (recomputed): %s", rid, exc)
+            log.error("request %s: blocks not regrouped (recomputed): %s", rid, exc)
             return "regroup-failed"
         return None
 

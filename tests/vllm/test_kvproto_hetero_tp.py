@@ -22,10 +22,13 @@ whole: each D rank reads whole blocks from one P rank (``tpmath.part_slices``),
 a P rank nobody reads from gets a done-only order, and every P rank still frees
 on its expected dones.
 
-Push mode runs the same pair of TP sizes for the tiny Llama (push serves one full-attention
-group): D's ranks grant and register their blocks with every P rank that writes into them, P's
-ranks write their parts (P TP 1 writes each D rank's head; P TP 2 writes the two halves of D's
-one rank), and D reports the load once every registration's write was confirmed.
+Push mode runs the same pairs of TP sizes and models: D's ranks grant and register their
+blocks with every P rank that writes into them, P's ranks write their parts (P TP 1 writes each
+D rank's head of both KV cache groups, and for MLA the whole latent into each D rank; P TP 2
+writes the two halves of D's one rank, and for MLA its first rank writes the latent while the
+second sends its done alone, ``tpmath.write_slices``), and D reports the load once every
+registration's write was confirmed. MLA's reference is stock's pull answer, computed once for
+both modes.
 
 Each direction: greedy output on D equals the non-disaggregated baseline (and
 TP 1 and TP 2 agree without a transfer); every prompt token arrives through
@@ -201,27 +204,44 @@ def transfer(
     figures[f"{label} D track->all P ranks freed ms"] = (max(frees) - min(tracks)) * 1e3
 
 
-@pytest.mark.parametrize("shape", ["swa", "mla"])
-def test_hetero_tp_engines(
-    shape: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> None:
+PROMPTS = (make_prompt(8), make_prompt(9))
+"""P1->D2's prompt, then P2->D1's."""
+
+
+@pytest.fixture(scope="module")
+def shape_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny models of the shapes here, built once for the pull and the push pair."""
     from examples.pd_cpu.tiny_model import build_tiny_model
 
-    model = (
-        tiny_model_dir
-        if shape == "llama"
-        else build_tiny_model(tmp_path_factory.mktemp(shape), shape)
-    )
+    return {s: build_tiny_model(tmp_path_factory.mktemp(s), s) for s in ("swa", "mla")}
+
+
+@pytest.fixture(scope="module")
+def expected_mla(shape_models: dict[str, Path]) -> tuple[list[int], ...]:
+    """Stock's MLA answers to :data:`PROMPTS`, for the pull and the push pair alike."""
+    return stock_pd_outputs(shape_models["mla"], "mla", PROMPTS)
+
+
+def _expected(shape: str, request: pytest.FixtureRequest) -> tuple[list[int] | None, ...]:
+    if shape == "mla":
+        return tuple(request.getfixturevalue("expected_mla"))
+    return (None, None)
+
+
+@pytest.mark.parametrize("shape", ["swa", "mla"])
+def test_hetero_tp_engines(
+    shape: str, shape_models: dict[str, Path], request: pytest.FixtureRequest
+) -> None:
+    model = shape_models[shape]
     t0 = time.perf_counter()
-    prompts = (make_prompt(8), make_prompt(9))
-    expected = stock_pd_outputs(model, shape, prompts) if shape == "mla" else (None, None)
+    expected = _expected(shape, request)
     a = engine(model, f"A-tp1-{shape}", 1, shape)
     b = engine(model, f"B-tp2-{shape}", 2, shape)
     try:
         a_info, b_info = a.wait_ready(), b.wait_ready()
         figures: dict[str, float] = {"A init s": a_info["init_s"], "B init s": b_info["init_s"]}
-        transfer(a, b, prompts[0], figures, "P1->D2", expected=expected[0])
-        transfer(b, a, prompts[1], figures, "P2->D1", expected=expected[1])
+        transfer(a, b, PROMPTS[0], figures, "P1->D2", expected=expected[0])
+        transfer(b, a, PROMPTS[1], figures, "P2->D1", expected=expected[1])
         print(
             f"\nkvproto heterogeneous TP ({shape}): "
             + ", ".join(f"{k} {v:.1f}" for k, v in figures.items())
@@ -235,12 +255,21 @@ def test_hetero_tp_engines(
 
 
 def push_transfer(
-    p: EngineProc, d: EngineProc, prompt: str, figures: dict[str, float], label: str
+    p: EngineProc,
+    d: EngineProc,
+    prompt: str,
+    figures: dict[str, float],
+    label: str,
+    *,
+    expected: list[int] | None = None,
 ) -> None:
-    """P's ranks write into the blocks D's ranks registered; the answer equals the baseline."""
+    """P's ranks write into the blocks D's ranks registered; the answer equals the baseline
+    (``expected``, stock's for MLA, as in :func:`transfer`)."""
     p_tp, d_tp = p.spec.tensor_parallel_size, d.spec.tensor_parallel_size
-    base = generate(d, prompt, MAX_TOKENS)["token_ids"]
-    assert generate(p, prompt, MAX_TOKENS)["token_ids"] == base, "TP 1 and TP 2 disagree"
+    base = expected
+    if base is None:
+        base = generate(d, prompt, MAX_TOKENS)["token_ids"]
+        assert generate(p, prompt, MAX_TOKENS)["token_ids"] == base, "TP 1 and TP 2 disagree"
     p_before, d_before = p.call("worker_states"), d.call("worker_states")
     hits_before = d.call("metrics", names=[HITS])[HITS]
     free_before = p.call("state")["free_blocks"]
@@ -277,17 +306,22 @@ def push_transfer(
     figures[f"{label} decode s"] = dec["generate_s"]
 
 
-def test_hetero_tp_push_engines(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("shape", ["swa", "mla"])
+def test_hetero_tp_push_engines(
+    shape: str, shape_models: dict[str, Path], request: pytest.FixtureRequest
+) -> None:
+    model = shape_models[shape]
     t0 = time.perf_counter()
-    a = engine(tiny_model_dir, "A-tp1-push", 1, "llama", transfer_mode="push")
-    b = engine(tiny_model_dir, "B-tp2-push", 2, "llama", transfer_mode="push")
+    expected = _expected(shape, request)
+    a = engine(model, f"A-tp1-push-{shape}", 1, shape, transfer_mode="push")
+    b = engine(model, f"B-tp2-push-{shape}", 2, shape, transfer_mode="push")
     try:
         a_info, b_info = a.wait_ready(), b.wait_ready()
         figures: dict[str, float] = {"A init s": a_info["init_s"], "B init s": b_info["init_s"]}
-        push_transfer(a, b, make_prompt(8), figures, "push P1->D2")
-        push_transfer(b, a, make_prompt(9), figures, "push P2->D1")
+        push_transfer(a, b, PROMPTS[0], figures, "push P1->D2", expected=expected[0])
+        push_transfer(b, a, PROMPTS[1], figures, "push P2->D1", expected=expected[1])
         print(
-            "\nkvproto heterogeneous TP (push): "
+            f"\nkvproto heterogeneous TP (push, {shape}): "
             + ", ".join(f"{k} {v:.1f}" for k, v in figures.items())
             + f", wall {time.perf_counter() - t0:.1f}s"
         )

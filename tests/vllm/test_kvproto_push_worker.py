@@ -25,6 +25,8 @@ from typing import Any
 
 import msgspec
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from .vllm_required import require_vllm
 
@@ -219,7 +221,9 @@ def test_a_registration_is_peer_data_decoded_totally() -> None:
         holder_blocks=[1, 2],
         writer_blocks=[7, 8],
     )
+    in_parts = msgspec.structs.replace(good, holder_blocks=[1, 1], parts=2, holder_parts=[0, 1])
     assert decode_registration(encode_registration(good)) == good
+    assert decode_registration(encode_registration(in_parts)) == in_parts
     for bad in (
         b"",
         b"\xff" * 9,
@@ -227,5 +231,67 @@ def test_a_registration_is_peer_data_decoded_totally() -> None:
         encode_registration(msgspec.structs.replace(good, holder_blocks=[])),
         encode_registration(msgspec.structs.replace(good, port=0)),
         encode_registration(msgspec.structs.replace(good, writer_request_id="")),
+        # Parts: one per pair, each inside the block, and only with blocks in parts.
+        encode_registration(msgspec.structs.replace(in_parts, holder_parts=[0])),
+        encode_registration(msgspec.structs.replace(in_parts, holder_parts=[0, 2])),
+        encode_registration(msgspec.structs.replace(in_parts, holder_parts=[-1, 0])),
+        encode_registration(msgspec.structs.replace(in_parts, parts=0)),
+        encode_registration(msgspec.structs.replace(good, holder_parts=[0, 0])),
     ):
         assert decode_registration(bad) is None
+
+
+def _writable_ticket() -> LeaseTicket:
+    mint = LeaseMint(
+        engine="D-push",
+        incarnation=D_INCARNATION,
+        tp_size=1,
+        params=parse_extra_config({}).lease.params,
+        entropy=secrets.token_bytes,
+    )
+    return mint.mint(time.monotonic(), request_id="d-9", ttl=8)
+
+
+_TICKET = _writable_ticket()
+
+
+@st.composite
+def _registration_fields(draw: st.DrawFn) -> dict[str, Any]:
+    """A registration's fields, mostly well formed, each of them broken now and then."""
+    n = draw(st.integers(0, 4))
+    blocks = st.lists(st.integers(-1, 9), min_size=n, max_size=n)
+    parts = draw(st.one_of(st.integers(1, 3), st.integers(-1, 4), st.text(max_size=1)))
+    fields: dict[str, Any] = {
+        "ticket": _TICKET,
+        "writer_request_id": draw(
+            st.one_of(st.just("p-9"), st.text(max_size=2), st.integers(-5, 5))
+        ),
+        "host": "127.0.0.1",
+        "port": draw(st.one_of(st.just(5600), st.integers(-1, 70000))),
+        "holder_blocks": draw(st.one_of(blocks, st.lists(st.integers(0, 9), max_size=4))),
+        "writer_blocks": draw(blocks),
+    }
+    if draw(st.booleans()):
+        fields["parts"] = parts
+        if isinstance(parts, int) and parts > 1 and draw(st.booleans()):
+            fields["holder_parts"] = draw(
+                st.lists(st.integers(0, parts - 1), min_size=n, max_size=n)
+            )
+    if "holder_parts" not in fields and draw(st.booleans()):
+        wrong = st.lists(st.integers(-1, 3), min_size=max(0, n - 1), max_size=n + 1)
+        fields["holder_parts"] = draw(wrong)
+    return fields
+
+
+@given(st.one_of(st.binary(max_size=64), _registration_fields().map(msgspec.msgpack.encode)))
+def test_any_registration_bytes_decode_to_a_consistent_one_or_none(data: bytes) -> None:
+    """Peer data: whatever arrives decodes to None or to pairs P can write as they are."""
+    reg = decode_registration(data)
+    if reg is None:
+        return
+    assert reg.ticket == _TICKET and reg.writer_request_id and 0 < reg.port < 65536
+    assert len(reg.holder_blocks) == len(reg.writer_blocks) > 0
+    assert min(reg.holder_blocks + reg.writer_blocks) >= 0
+    assert reg.parts >= 1
+    assert len(reg.holder_parts) == (len(reg.holder_blocks) if reg.parts > 1 else 0)
+    assert all(0 <= part < reg.parts for part in reg.holder_parts)

@@ -21,6 +21,12 @@ Unequal block sizes (``llama-p32-d64``: D's blocks twice P's) run the same
 checks: each of P's blocks is read into one half of one of D's, which D then
 puts in its head-major page order (``kvproto_vllm.block_parts``).
 
+The ``-push`` shapes run both engines in push mode: P writes the same pairs into
+the blocks D registered (the SSM state with the attention tail; each P block into
+its half of a D block, one WRITE per half and the done after both), D's loads are
+filled (its ``written`` events), and P's own lease ends when D finishes (ABORTED:
+nothing more to keep).
+
 Stock runs beside only with ``KVPROTO_STOCK_BESIDE=1`` (CI's time): its figures
 are in spec/benchmarks.md ("Model shapes"); on these CPU engines it reads every
 token of the unequal pair and answers wrong.
@@ -65,6 +71,8 @@ class Shape:
     """D's block size where it differs from P's."""
     stock_beside: bool = True
     """Run stock NixlConnector beside (else only with ``KVPROTO_STOCK_BESIDE=1``)."""
+    transfer_mode: str = "pull"
+    """kvproto's ``transfer_mode`` on both engines (push: P writes into D's blocks)."""
 
     @property
     def block_size(self) -> int:
@@ -75,7 +83,11 @@ class Shape:
 
 SHAPES = {
     "ssm-hybrid": Shape("ssm", backoff=1, stock_beside=False),
+    "ssm-hybrid-push": Shape("ssm", backoff=1, stock_beside=False, transfer_mode="push"),
     "llama-p32-d64": Shape("llama", decoder_block_size=64, stock_beside=False),
+    "llama-p32-d64-push": Shape(
+        "llama", decoder_block_size=64, stock_beside=False, transfer_mode="push"
+    ),
 }
 
 
@@ -107,7 +119,14 @@ def _rotated(sentences: int, start: int) -> str:
 
 
 def run_pair(model: Path, shape: Shape, connector: str) -> Run:
-    config = kvproto_config if connector == "kvproto" else stock_config
+    kvproto = connector == "kvproto"
+    push = kvproto and shape.transfer_mode == "push"
+
+    def config(role: str) -> dict[str, Any]:
+        if not kvproto:
+            return stock_config(role)
+        return kvproto_config(role, **({"transfer_mode": "push"} if push else {}))
+
     t0 = time.perf_counter()
     p = EngineProc(
         EngineSpec(
@@ -157,8 +176,11 @@ def run_pair(model: Path, shape: Shape, connector: str) -> Run:
         metrics = d.call("metrics", names=[EXTERNAL, COMPUTED, PROMPT_TOKENS])
         run.external, run.d_prompt_tokens = metrics[EXTERNAL], metrics[PROMPT_TOKENS]
         run.computed = metrics[COMPUTED]
-        if connector == "kvproto":
-            run.confirmed = len(events(d.call("connector_state"), "confirmed"))
+        if kvproto:
+            # Push: D's blocks were filled by P's writes (its writable leases ended DONE,
+            # put in page order); P's own lease then ends on D's finish.
+            d_events = events(d.call("connector_state"), "written" if push else "confirmed")
+            run.confirmed = len([e for e in d_events if not push or e[3] == "filled"])
             run.freed = {e[2]: e[3] for e in events(p.call("connector_state"), "freed")}
     finally:
         p.stop()
@@ -212,4 +234,7 @@ def test_model_shape_is_transferred_as_stock_does(key: str, models: dict[str, Pa
     if stock is not None and stock.external and shape.decoder_block_size is None:
         assert kv.external == stock.external, (kv.external, stock.external)
     assert kv.confirmed == len(kv.outputs)
-    assert set(kv.freed.values()) == {"DONE"} and len(kv.freed) == len(kv.outputs)
+    # Pull: P freed on D's done. Push: D's finish ends P's lease once the write was
+    # confirmed (nothing more to keep), an abort.
+    p_end = "ABORTED" if shape.transfer_mode == "push" else "DONE"
+    assert set(kv.freed.values()) == {p_end} and len(kv.freed) == len(kv.outputs)
