@@ -234,7 +234,7 @@ class Binding:
             local = list(local_blocks)
             for order in decision.orders:
                 if split and order.carries_data:
-                    self._read_parts(now, request_id, order, split, parts)
+                    self._in_parts(now, request_id, order, split, parts, write=False)
                     continue
                 if not order.notify and not (order.carries_data and tail):
                     # Nothing to move and no done to carry (a sibling's read carries the
@@ -288,9 +288,7 @@ class Binding:
         not write.
         """
         reader = self._need_reader()
-        transport = self.transport
-        if not isinstance(transport, WritableTransport) or not transport.capabilities.writes:
-            raise LocalProtocolError(f"transport {transport.name} does not write")
+        transport = self._writable()
         decision = reader.begin_write(now, request_id)
         if isinstance(decision, ReadGo):
             split = (
@@ -298,7 +296,7 @@ class Binding:
             )
             for order in decision.orders:
                 if split and order.carries_data:
-                    self._write_parts(now, request_id, order, split, parts)
+                    self._in_parts(now, request_id, order, split, parts, write=True)
                     continue
                 try:
                     write_id = transport.write_blocks(
@@ -317,85 +315,61 @@ class Binding:
         self._flush(now)
         return decision
 
-    def _read_parts(
+    def _in_parts(
         self,
         now: float,
         request_id: str,
         order: ReadOrder,
         split: dict[int, tuple[list[int], list[int]]],
         parts: int,
+        *,
+        write: bool,
     ) -> None:
-        """One READ per part of the local blocks, no done attached (see :class:`_Parts`)."""
-        group = _Parts(request_id, order.holder_rank, order.peer, order.notify)
-        for part, (local, remote) in split.items():
+        """One transfer per part of the larger blocks (ours for a READ, the holder's for
+        a WRITE), no done attached (see :class:`_Parts`). ``split``: part -> (the blocks
+        in parts, the whole ones paired with them)."""
+        group = _Parts(request_id, order.holder_rank, order.peer, order.notify, write=write)
+        for part, (in_parts, whole) in split.items():
             try:
-                read_id = self.transport.read_blocks(
-                    order.peer,
-                    local_blocks=local,
-                    remote_blocks=remote,
-                    local_slice=part_slice(order.local_slice, part, parts),
-                    remote_slice=order.remote_slice,
-                )
+                if write:
+                    transfer_id = self._writable().write_blocks(
+                        order.peer,
+                        local_blocks=whole,
+                        remote_blocks=in_parts,
+                        local_slice=order.local_slice,
+                        remote_slice=part_slice(order.remote_slice, part, parts),
+                    )
+                else:
+                    transfer_id = self.transport.read_blocks(
+                        order.peer,
+                        local_blocks=in_parts,
+                        remote_blocks=whole,
+                        local_slice=part_slice(order.local_slice, part, parts),
+                        remote_slice=order.remote_slice,
+                    )
             except TransportError as exc:
-                log.warning("read of %s from %s refused: %s", request_id, order.peer, exc)
+                if write:
+                    log.warning("write of %s to %s refused: %s", request_id, order.peer, exc)
+                else:
+                    log.warning("read of %s from %s refused: %s", request_id, order.peer, exc)
                 group.failed = True
                 break
             group.left += 1
-            self._reads[read_id] = group
+            (self._writes if write else self._reads)[transfer_id] = group
         if not group.left:
-            self._need_reader().read_failed(now, request_id, order.holder_rank)
-
-    def _write_parts(
-        self,
-        now: float,
-        request_id: str,
-        order: ReadOrder,
-        split: dict[int, tuple[list[int], list[int]]],
-        parts: int,
-    ) -> None:
-        """One WRITE per part of the holder's blocks, no done attached (see :class:`_Parts`).
-
-        ``split``: part -> (the holder's blocks, ours)."""
-        transport = self.transport
-        assert isinstance(transport, WritableTransport)
-        group = _Parts(request_id, order.holder_rank, order.peer, order.notify, write=True)
-        for part, (remote, local) in split.items():
-            try:
-                write_id = transport.write_blocks(
-                    order.peer,
-                    local_blocks=local,
-                    remote_blocks=remote,
-                    local_slice=order.local_slice,
-                    remote_slice=part_slice(order.remote_slice, part, parts),
-                )
-            except TransportError as exc:
-                log.warning("write of %s to %s refused: %s", request_id, order.peer, exc)
-                group.failed = True
-                break
-            group.left += 1
-            self._writes[write_id] = group
-        if not group.left:
-            self._need_reader().write_failed(now, request_id, order.holder_rank)
+            self._part_ended(now, request_id, order.holder_rank, write=write, ok=False)
 
     def _parts_landed(self, now: float, group: _Parts) -> None:
         """The last transfer of a :class:`_Parts` ended: fail it, or send its done."""
-        reader = self._need_reader()
-        failed = reader.write_failed if group.write else reader.read_failed
-        if group.failed:
-            failed(now, group.request_id, group.rank)
-            return
-        if not group.notify:
-            (reader.write_completed if group.write else reader.read_completed)(
-                now, group.request_id, group.rank
-            )
+        if group.failed or not group.notify:
+            ok = not group.failed
+            self._part_ended(now, group.request_id, group.rank, write=group.write, ok=ok)
             return
         try:
             # Every part is in place now (in our memory, or remotely completed in the
             # holder's): the done may go, a zero-block transfer's notification.
             if group.write:
-                transport = self.transport
-                assert isinstance(transport, WritableTransport)
-                done_id = transport.write_blocks(
+                done_id = self._writable().write_blocks(
                     group.peer, local_blocks=[], remote_blocks=[], notify=group.notify
                 )
                 self._writes[done_id] = (group.request_id, group.rank)
@@ -406,7 +380,24 @@ class Binding:
                 self._reads[done_id] = (group.request_id, group.rank)
         except TransportError as exc:
             log.warning("done of %s to %s refused: %s", group.request_id, group.peer, exc)
-            failed(now, group.request_id, group.rank)
+            self._part_ended(now, group.request_id, group.rank, write=group.write, ok=False)
+
+    def _part_ended(self, now: float, request_id: str, rank: int, *, write: bool, ok: bool) -> None:
+        """Tell the reader core how the transfer to or from holder ``rank`` ended.
+
+        A request finished (aborted) while its transfer was in flight is the core's
+        counted no-op (``stats.late_read_results``), not an error."""
+        reader = self._need_reader()
+        if write:
+            (reader.write_completed if ok else reader.write_failed)(now, request_id, rank)
+        else:
+            (reader.read_completed if ok else reader.read_failed)(now, request_id, rank)
+
+    def _writable(self) -> WritableTransport:
+        transport = self.transport
+        if not isinstance(transport, WritableTransport) or not transport.capabilities.writes:
+            raise LocalProtocolError(f"transport {transport.name} does not write")
+        return transport
 
     def step(self, now: float) -> StepResult:
         """Poll, run timers, execute outputs. Returns what the engine must act on."""
@@ -416,15 +407,15 @@ class Binding:
             elif isinstance(event, PeerLost):
                 self._peer_lost(now, event.peer)
             elif isinstance(event, ReadCompleted):
-                self._read_result(now, event.read_id, ok=True)
+                self._transfer_result(now, event.read_id, write=False, ok=True)
             elif isinstance(event, ReadFailed):
                 log.warning("read %d failed: %s", event.read_id, event.reason)
-                self._read_result(now, event.read_id, ok=False)
+                self._transfer_result(now, event.read_id, write=False, ok=False)
             elif isinstance(event, WriteCompleted):
-                self._write_result(now, event.write_id, ok=True)
+                self._transfer_result(now, event.write_id, write=True, ok=True)
             elif isinstance(event, WriteFailed):
                 log.warning("write %d failed: %s", event.write_id, event.reason)
-                self._write_result(now, event.write_id, ok=False)
+                self._transfer_result(now, event.write_id, write=True, ok=False)
         for core in self._cores:
             timer = core.get_timer()
             if timer is not None and timer <= now:
@@ -470,8 +461,8 @@ class Binding:
         if self.reader is not None:
             self.reader.peer_lost(now, peer)
 
-    def _write_result(self, now: float, write_id: WriteId, *, ok: bool) -> None:
-        entry = self._writes.pop(write_id, None)
+    def _transfer_result(self, now: float, transfer_id: int, *, write: bool, ok: bool) -> None:
+        entry = (self._writes if write else self._reads).pop(transfer_id, None)
         if entry is None or self.reader is None:
             return
         if isinstance(entry, _Parts):
@@ -483,32 +474,7 @@ class Binding:
             self._parts_landed(now, entry)
         else:
             request_id, rank = entry
-            if ok:
-                self.reader.write_completed(now, request_id, rank)
-            else:
-                self.reader.write_failed(now, request_id, rank)
-        if request_id in self._held_failures and not self._reading(request_id):
-            self._engine_outputs.append(self._held_failures.pop(request_id))
-
-    def _read_result(self, now: float, read_id: ReadId, *, ok: bool) -> None:
-        entry = self._reads.pop(read_id, None)
-        if entry is None or self.reader is None:
-            return
-        if isinstance(entry, _Parts):
-            entry.left -= 1
-            entry.failed = entry.failed or not ok
-            if entry.left:
-                return
-            request_id = entry.request_id
-            self._parts_landed(now, entry)
-        else:
-            request_id, rank = entry
-            # A request finished (aborted) while its read was in flight is the reader's
-            # counted no-op (stats.late_read_results), not an error.
-            if ok:
-                self.reader.read_completed(now, request_id, rank)
-            else:
-                self.reader.read_failed(now, request_id, rank)
+            self._part_ended(now, request_id, rank, write=write, ok=ok)
         if request_id in self._held_failures and not self._reading(request_id):
             self._engine_outputs.append(self._held_failures.pop(request_id))
 
@@ -545,7 +511,7 @@ class Binding:
                     # The reader gave the request up (its lease lost, say) while a READ
                     # into its blocks is still in flight: the engine would recompute into,
                     # or reuse, blocks that READ may still write. Surface the failure
-                    # once the last read ended (_read_result).
+                    # once the last read ended (_transfer_result).
                     self._held_failures[out.request_id] = out
                     self.stats.failures_held += 1
                 else:
