@@ -284,17 +284,25 @@ class _Run:
                 return
 
     def settle(self, bound_s: float) -> None:
-        """Wait (bounded) until no engine holds or tracks a lease, as the samples show."""
+        """Wait (bounded) until no engine holds or tracks a lease, as a sample that began
+        after the load's last answer shows: one begun earlier may still be scraping an
+        engine that serves the last request (its lease counted in the run's last sample,
+        the one the end state is judged on, after the run had called itself settled)."""
         history = self.history
-        deadline = self.clock() + bound_s
+        since = self.clock()
+        deadline = since + bound_s
         while self.clock() < deadline:
             last = history.samples[-1] if history.samples else None
-            if last is not None and all(
-                e.metrics is not None
-                and e.metrics.get("vllm:kvproto_holder_leases_held", 0.0) == 0
-                and e.metrics.get("vllm:kvproto_holder_leases_granted", 0.0) == 0
-                and e.metrics.get("vllm:kvproto_reader_requests", 0.0) == 0
-                for e in last.engines
+            if (
+                last is not None
+                and last.t0 >= since
+                and all(
+                    e.metrics is not None
+                    and e.metrics.get("vllm:kvproto_holder_leases_held", 0.0) == 0
+                    and e.metrics.get("vllm:kvproto_holder_leases_granted", 0.0) == 0
+                    and e.metrics.get("vllm:kvproto_reader_requests", 0.0) == 0
+                    for e in last.engines
+                )
             ):
                 return
             time.sleep(history.sample_s)
