@@ -261,8 +261,10 @@ SHOWN_ENV = (
 _PORT_RANGE = (20000, 32000)
 
 
-def free_port() -> int:
-    """A TCP port free on loopback now, outside the kernel's ephemeral range.
+def free_port(span: int = 1) -> int:
+    """A TCP port free on loopback now, outside the kernel's ephemeral range; with
+    ``span``, the first of that many consecutive free ones (rank r of a TP engine's
+    side channel listens on base + r).
 
     A port the kernel chose (``bind(0)``) comes from the ephemeral range, which
     the engines' own ZMQ and NIXL sockets draw from too: in one benchmark run a
@@ -270,11 +272,12 @@ def free_port() -> int:
     between the pick and the bind, and the decoder never started."""
     rng = random.Random()
     for _ in range(200):
-        port = rng.randrange(*_PORT_RANGE)
-        if port not in _handed_out and port_is_free(port):
-            _handed_out.add(port)
+        port = rng.randrange(_PORT_RANGE[0], _PORT_RANGE[1] - span + 1)
+        ports = range(port, port + span)
+        if not _handed_out.intersection(ports) and all(map(port_is_free, ports)):
+            _handed_out.update(ports)
             return port
-    raise DeploymentError(f"no free port in {_PORT_RANGE}")
+    raise DeploymentError(f"no {span} free port(s) in {_PORT_RANGE}")
 
 
 _handed_out: set[int] = set()

@@ -26,34 +26,21 @@ import multiprocessing as mp
 import os
 import resource
 import signal
-import socket
 import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
+from examples.pd_cpu.cluster import free_port
+
 #: Seconds a command may take before the parent gives up on the child.
 DEFAULT_TIMEOUT_S = 240.0
 
 
-def free_port() -> int:
-    """A TCP port free on loopback now (tiny race window; fine for tests)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def free_port_pair() -> int:
-    """A port p with p + 1 also free now (rank r of a TP-2 holder listens on base + r)."""
-    for _ in range(50):
-        base = free_port()
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", base + 1))
-            except OSError:
-                continue
-        return base
-    raise RuntimeError("no two adjacent free ports")
+    """A port p with p + 1 also free (rank r of a TP-2 holder listens on base + r), both
+    outside the ephemeral range (:func:`examples.pd_cpu.cluster.free_port` says why)."""
+    return free_port(2)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
