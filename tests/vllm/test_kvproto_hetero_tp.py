@@ -132,6 +132,16 @@ def stock_pd_outputs(model: Path, shape: str, prompts: tuple[str, str]) -> tuple
         b.stop()
 
 
+def reference(p: EngineProc, d: EngineProc, prompt: str, expected: list[int] | None) -> list[int]:
+    """The answer a P/D pair must give: ``expected`` if given, else the non-disaggregated
+    one, which TP 1 and TP 2 must agree on."""
+    if expected is not None:
+        return expected
+    base = list(generate(d, prompt, MAX_TOKENS)["token_ids"])
+    assert generate(p, prompt, MAX_TOKENS)["token_ids"] == base, "TP 1 and TP 2 disagree"
+    return base
+
+
 def transfer(
     p: EngineProc,
     d: EngineProc,
@@ -144,10 +154,7 @@ def transfer(
     """``expected``: the answer the pair must give (stock's, for MLA); by default the
     non-disaggregated one, which TP 1 and TP 2 must agree on."""
     p_tp, d_tp = p.spec.tensor_parallel_size, d.spec.tensor_parallel_size
-    base = expected
-    if base is None:
-        base = generate(d, prompt, MAX_TOKENS)["token_ids"]
-        assert generate(p, prompt, MAX_TOKENS)["token_ids"] == base, "TP 1 and TP 2 disagree"
+    base = reference(p, d, prompt, expected)
     p_before, d_before = p.call("worker_states"), d.call("worker_states")
     assert len(p_before) == p_tp and len(d_before) == d_tp
     hits_before = d.call("metrics", names=[HITS])[HITS]
@@ -228,22 +235,23 @@ def _expected(shape: str, request: pytest.FixtureRequest) -> tuple[list[int] | N
     return (None, None)
 
 
-@pytest.mark.parametrize("shape", ["swa", "mla"])
-def test_hetero_tp_engines(
-    shape: str, shape_models: dict[str, Path], request: pytest.FixtureRequest
-) -> None:
-    model = shape_models[shape]
+def run_pairs(shape: str, model: Path, expected: tuple[list[int] | None, ...], mode: str) -> None:
+    """A TP-1 and a TP-2 engine of ``mode``: P1 -> D2, then P2 -> D1."""
     t0 = time.perf_counter()
-    expected = _expected(shape, request)
-    a = engine(model, f"A-tp1-{shape}", 1, shape)
-    b = engine(model, f"B-tp2-{shape}", 2, shape)
+    push = mode == "push"
+    extra = {"transfer_mode": "push"} if push else {}
+    tag = f"push-{shape}" if push else shape
+    a = engine(model, f"A-tp1-{tag}", 1, shape, **extra)
+    b = engine(model, f"B-tp2-{tag}", 2, shape, **extra)
+    move = push_transfer if push else transfer
+    label = "push " if push else ""
     try:
         a_info, b_info = a.wait_ready(), b.wait_ready()
         figures: dict[str, float] = {"A init s": a_info["init_s"], "B init s": b_info["init_s"]}
-        transfer(a, b, PROMPTS[0], figures, "P1->D2", expected=expected[0])
-        transfer(b, a, PROMPTS[1], figures, "P2->D1", expected=expected[1])
+        move(a, b, PROMPTS[0], figures, f"{label}P1->D2", expected=expected[0])
+        move(b, a, PROMPTS[1], figures, f"{label}P2->D1", expected=expected[1])
         print(
-            f"\nkvproto heterogeneous TP ({shape}): "
+            f"\nkvproto heterogeneous TP ({mode}, {shape}): "
             + ", ".join(f"{k} {v:.1f}" for k, v in figures.items())
             + f", wall {time.perf_counter() - t0:.1f}s"
         )
@@ -252,6 +260,13 @@ def test_hetero_tp_engines(
             t_stop = time.perf_counter()
             e.stop()
             print(f"stop {e.name} {time.perf_counter() - t_stop:.1f}s")
+
+
+@pytest.mark.parametrize("shape", ["swa", "mla"])
+def test_hetero_tp_engines(
+    shape: str, shape_models: dict[str, Path], request: pytest.FixtureRequest
+) -> None:
+    run_pairs(shape, shape_models[shape], _expected(shape, request), "pull")
 
 
 def push_transfer(
@@ -266,10 +281,7 @@ def push_transfer(
     """P's ranks write into the blocks D's ranks registered; the answer equals the baseline
     (``expected``, stock's for MLA, as in :func:`transfer`)."""
     p_tp, d_tp = p.spec.tensor_parallel_size, d.spec.tensor_parallel_size
-    base = expected
-    if base is None:
-        base = generate(d, prompt, MAX_TOKENS)["token_ids"]
-        assert generate(p, prompt, MAX_TOKENS)["token_ids"] == base, "TP 1 and TP 2 disagree"
+    base = reference(p, d, prompt, expected)
     p_before, d_before = p.call("worker_states"), d.call("worker_states")
     hits_before = d.call("metrics", names=[HITS])[HITS]
     free_before = p.call("state")["free_blocks"]
@@ -310,21 +322,4 @@ def push_transfer(
 def test_hetero_tp_push_engines(
     shape: str, shape_models: dict[str, Path], request: pytest.FixtureRequest
 ) -> None:
-    model = shape_models[shape]
-    t0 = time.perf_counter()
-    expected = _expected(shape, request)
-    a = engine(model, f"A-tp1-push-{shape}", 1, shape, transfer_mode="push")
-    b = engine(model, f"B-tp2-push-{shape}", 2, shape, transfer_mode="push")
-    try:
-        a_info, b_info = a.wait_ready(), b.wait_ready()
-        figures: dict[str, float] = {"A init s": a_info["init_s"], "B init s": b_info["init_s"]}
-        push_transfer(a, b, PROMPTS[0], figures, "push P1->D2", expected=expected[0])
-        push_transfer(b, a, PROMPTS[1], figures, "push P2->D1", expected=expected[1])
-        print(
-            f"\nkvproto heterogeneous TP (push, {shape}): "
-            + ", ".join(f"{k} {v:.1f}" for k, v in figures.items())
-            + f", wall {time.perf_counter() - t0:.1f}s"
-        )
-    finally:
-        for e in (a, b):
-            e.stop()
+    run_pairs(shape, shape_models[shape], _expected(shape, request), "push")
