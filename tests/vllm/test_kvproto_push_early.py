@@ -128,20 +128,27 @@ def add_prefill(p: EngineProc, tag: str, prompt: str) -> None:
     )
 
 
+def queued_on_p(p: EngineProc, d: EngineProc, tag: str, prompt: str) -> tuple[list[int], Busy]:
+    """The baseline answer; then P's prefill queued behind more urgent local work, and D's
+    request registered with P before that prefill ran."""
+    base = baseline(p, prompt)
+    params = early_params(p)
+    busy = Busy(p, f"{tag}-busy")
+    busy.top_up(2)
+    add_prefill(p, tag, prompt)
+    add_decode(d, tag, prompt, params)
+    wait_until("registered", lambda: bool(worker_events(p, "registration-early", tag)), 30)
+    return base, busy
+
+
 def test_a_long_prefill_keeps_the_early_registration_and_writes_it(
     engines: tuple[EngineProc, EngineProc],
 ) -> None:
     p, d = engines
     prompt = make_prompt(8)
-    base = baseline(p, prompt)
-    params = early_params(p)
     hits = d.call("metrics", names=[HITS])[HITS]
-    busy = Busy(p, "early")  # P's only slot: local work, more urgent than the prefill
-    busy.top_up(2)
-    add_prefill(p, "early", prompt)
-    add_decode(d, "early", prompt, params)
     queued = time.monotonic()
-    wait_until("registered", lambda: bool(worker_events(d, "registered-early", "early")), 30)
+    base, busy = queued_on_p(p, d, "early", prompt)
 
     def waiting_on_d() -> None:
         assert not worker_events(d, "load-failed", "early"), "D gave up a heartbeated lease"
@@ -192,14 +199,7 @@ def test_a_prefill_aborted_on_p_gives_the_registration_up_at_once(
     engines: tuple[EngineProc, EngineProc],
 ) -> None:
     p, d = engines
-    prompt = make_prompt(11)
-    base = baseline(p, prompt)
-    params = early_params(p)
-    busy = Busy(p, "dropped-busy")
-    busy.top_up(2)
-    add_prefill(p, "dropped", prompt)
-    add_decode(d, "dropped", prompt, params)
-    wait_until("claimed", lambda: bool(worker_events(p, "registration-early", "dropped")), 30)
+    base, busy = queued_on_p(p, d, "dropped", make_prompt(11))
     aborted = time.monotonic()
     p.call("abort", request_ids=["dropped"])
     busy.hold(1.0)
@@ -217,14 +217,7 @@ def test_prefill_engine_killed_while_its_prefill_is_queued(
     engines: tuple[EngineProc, EngineProc],
 ) -> None:
     p, d = engines
-    prompt = make_prompt(10)
-    base = baseline(p, prompt)
-    params = early_params(p)
-    busy = Busy(p, "killed")
-    busy.top_up(2)
-    add_prefill(p, "killed", prompt)
-    add_decode(d, "killed", prompt, params)
-    wait_until("claimed", lambda: bool(worker_events(p, "registration-early", "killed")), 30)
+    base, busy = queued_on_p(p, d, "killed", make_prompt(10))
     busy.hold(1.5)
     killed = time.monotonic()
     p.kill()
