@@ -245,6 +245,36 @@ def pair_blocks(
     return out
 
 
+def plan_pairs(
+    groups: TransferGroups,
+    local: Sequence[Sequence[int]],
+    remote: Sequence[Sequence[int]],
+    allocated: Sequence[int],
+    *,
+    ratio: int = 1,
+    tail_parts: int = 1,
+    holder_blocks: int = 0,
+) -> BlockPairs:
+    """:func:`pair_blocks` of one request, the holder's lists trimmed first: the holder's
+    blocks may cover more tokens than the request loads (it decoded past the prompt, or a
+    turn-2 prompt is shorter than D's whole conversation). Its block i holds the tokens of
+    our block i // ratio, and a transfer takes the tail of the holder's list, so it must end
+    where ours ends. ``allocated``: per transfer group, the blocks allocated to the request
+    here (hits included); ``holder_blocks``: at ``ratio > 1``, the holder blocks its tokens
+    fill. Raises ValueError when the holder's blocks do not cover ours."""
+    trimmed = [list(group) for group in remote]
+    for index, kind in enumerate(groups.kinds):
+        n_alloc = allocated[index] if index < len(allocated) else 0
+        if index >= len(trimmed) or kind != FULL or not n_alloc:
+            continue
+        if ratio == 1 and n_alloc < len(trimmed[index]):
+            trimmed[index] = trimmed[index][:n_alloc]
+        elif ratio > 1:
+            trimmed[index] = trimmed[index][:holder_blocks]
+    windowed = [kind == SLIDING_WINDOW for kind in groups.kinds]
+    return pair_blocks(local, trimmed, ratio=ratio, tail_parts=tail_parts, windowed=windowed)
+
+
 def clip_ssm_state(blocks: list[int], spec_blocks: int) -> list[int]:
     """An SSM group's running-state block: the speculative scratch blocks trail it and
     superseded states or null placeholders lead it (vLLM's ``clip_ssm_state_blocks``,

@@ -135,13 +135,25 @@ class HolderScheduler:
         at once)."""
         self._siblings: OrderedDict[str, _Siblings] = OrderedDict()
         """Parent id → its first child granted a lease."""
+        self._prefills: list[str] = []
+        self._dropped: list[str] = []
+        self._prefilling: set[str] = set()
+        """Push mode: requests to be decoded elsewhere, in the scheduler (a decoder may
+        register for them before they finish: the workers are told of each one's entry
+        and of its leaving without a grant)."""
 
     def on_new_request(self, request: Request) -> None:
-        """Stop a prefill ``groups.backoff`` prompt tokens short (SSM state: the decoder
-        computes the last token from the state after N-1), once, as stock does
+        """Push mode: tell the workers a prefill for a decoder entered. Then stop a prefill
+        ``groups.backoff`` prompt tokens short (SSM state: the decoder computes the last
+        token from the state after N-1), once, as stock does
         (``_truncate_request_for_prefill``); nothing to do for attention-only models."""
-        backoff = self.groups.backoff
         params = request.kv_transfer_params
+        rid = request.request_id
+        pushes = self.transfer_mode == "push" and params and params.get("do_remote_decode")
+        if pushes and rid not in self._prefilling:
+            self._prefilling.add(rid)
+            self._prefills.append(rid)
+        backoff = self.groups.backoff
         if (
             not backoff
             or params is None
@@ -170,6 +182,16 @@ class HolderScheduler:
 
         ``turn2``: the request was decoded here and its blocks are kept for the
         conversation's next turn (D side of bidirectional transfer)."""
+        granted, params = self._finish(request, block_ids, turn2=turn2)
+        if request.request_id in self._prefilling:
+            self._prefilling.discard(request.request_id)
+            if not granted:
+                self._dropped.append(request.request_id)
+        return granted, params
+
+    def _finish(
+        self, request: Request, block_ids: Sequence[Sequence[int]], *, turn2: bool
+    ) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
         if request.status not in (
@@ -198,7 +220,7 @@ class HolderScheduler:
         # Turn 1: the claim window (a dropped request frees then); turn 2: the client's TTL.
         ttl = self.lease.decoder_kv_blocks_ttl if turn2 else self.lease.grant_ttl
         ticket = self._mint.mint(time.monotonic(), request_id=request.request_id, ttl=ttl)
-        self._grants.append(Grant(request_id=request.request_id, ticket=ticket))
+        self._grants.append(Grant(request_id=request.request_id, ticket=ticket, block_ids=groups))
         self.granted += 1
         if turn2:
             self.granted_turn2 += 1
@@ -247,4 +269,11 @@ class HolderScheduler:
     def take_grants(self) -> list[Grant]:
         """Grants made since the last call (for this step's metadata)."""
         out, self._grants = self._grants, []
+        return out
+
+    def take_prefills(self) -> tuple[list[str], list[str]]:
+        """Push mode: (prefills that entered, prefills that left without a grant) since the
+        last call (for this step's metadata)."""
+        out = (self._prefills, self._dropped)
+        self._prefills, self._dropped = [], []
         return out

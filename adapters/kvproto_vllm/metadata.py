@@ -31,6 +31,9 @@ class Grant:
     writable: bool = False
     """Push mode, D: a prefill engine writes the blocks (``Holder.adopt(writable=True)``);
     the lease's end is a load's outcome (:mod:`.push_holder`), not a free."""
+    block_ids: list[list[int]] = field(default_factory=list)
+    """Push mode, P: the request's blocks per transfer group (clipped), which a decoder
+    that registered before this prefill finished is paired with (:mod:`.push_writer`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -48,6 +51,28 @@ class Track:
     readers: int = 1
     """How many requests here read the ticket (parallel sampling's children: the
     holder's ``kvproto_readers``)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EarlyRegistration:
+    """Push mode, D: a request whose prefill engine has not finished yet (a proxy sent it
+    to both engines at once): where that engine is, and what it pairs its blocks with
+    once it has them (spec/push-mode.md §7)."""
+
+    engine: str
+    """The prefill engine's id (``remote_engine_id``)."""
+    host: str
+    """Its side-channel host (``remote_host``)."""
+    port: int
+    """Its rank 0's side-channel port; rank r listens on port + r."""
+    tp_size: int
+    """Its TP size (``tp_size``)."""
+    local_groups: list[list[int]]
+    """This engine's blocks to fill, per transfer group (the unhashed tail, clipped)."""
+    allocated: list[int]
+    """Per transfer group, the blocks allocated to the request here (hits included)."""
+    block_size: int
+    """This engine's tokens per block (the prefill engine's must be equal)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -77,6 +102,9 @@ class Recv:
     writable: LeaseTicket | None = None
     """Push mode: the lease this engine granted on ``local_block_ids`` (its ``Grant`` is
     in the same step); the holder is registered and writes them, nothing is read."""
+    early: EarlyRegistration | None = None
+    """Push mode, registered before the prefill finished: the prefill engine pairs the
+    blocks itself (``remote_block_ids`` is empty)."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -93,10 +121,23 @@ class KvprotoMetadata(KVConnectorMetadata):
     """D: reads to issue once the holder session is open."""
     finishes: list[str] = field(default_factory=list)
     """D: requests that left the scheduler (finished, aborted, or read and confirmed)."""
+    prefills: list[str] = field(default_factory=list)
+    """Push mode, P: requests to be decoded elsewhere that entered the scheduler (a
+    decoder may register for them before they finish)."""
+    dropped: list[str] = field(default_factory=list)
+    """Push mode, P: of those, the ones that left it without a grant (aborted, failed):
+    nothing will be written for them."""
 
     def is_empty(self) -> bool:
         """Nothing to do this step (the incarnation alone is not work)."""
-        return not (self.grants or self.tracks or self.recvs or self.finishes)
+        return not (
+            self.grants
+            or self.tracks
+            or self.recvs
+            or self.finishes
+            or self.prefills
+            or self.dropped
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

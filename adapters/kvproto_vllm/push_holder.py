@@ -31,7 +31,7 @@ from kvproto.tpmath import holder_ranks
 
 from .holder_worker import HolderWorker
 from .metadata import Recv, Track
-from .push_registration import Registration, encode_registration
+from .push_registration import Registration, encode_registration, external_id
 from .reader_worker import LoadReports, ReaderWorker, RegistrationKey
 
 log = logging.getLogger("vllm.kvproto_connector.push")
@@ -92,6 +92,9 @@ class PushHolder(LoadReports):
                 self._holders.refused_writable.remove(rid)
                 self._end(rid, load, "NOT_ADOPTED")
                 continue
+            if recv.early is not None:
+                self._register_early(load)
+                continue
             if known is None or self._readers.verdict(rid) is not None:
                 # Its prefill lease failed while the request waited for blocks.
                 self.revoke(now, rid, "prefill lease failed before the registration")
@@ -114,16 +117,59 @@ class PushHolder(LoadReports):
                 holder_parts=list(recv.local_parts),
             )
         )
+        writers = self._send(
+            recv.request_id,
+            track.ticket.holder_engine,
+            track.host,
+            track.port,
+            writer_tp=writer_tp,
+            payload=payload,
+        )
+        self._record(
+            "registered", recv.request_id, f"lease {writable.lease} to writer ranks {writers}"
+        )
+
+    def _register_early(self, load: _Load) -> None:
+        """Register before the prefill finished: D's blocks per group, no pairs (the
+        writer pairs them with its own when it has them)."""
+        recv, early, writable = load.recv, load.recv.early, load.recv.writable
+        assert early is not None and writable is not None
+        payload = encode_registration(
+            Registration(
+                ticket=writable,
+                writer_request_id=external_id(recv.request_id),
+                host=self._host,
+                port=self._port,
+                holder_blocks=[],
+                writer_blocks=[],
+                holder_groups=[list(group) for group in early.local_groups],
+                allocated=list(early.allocated),
+                block_size=early.block_size,
+            )
+        )
+        self._send(
+            recv.request_id,
+            early.engine,
+            early.host,
+            early.port,
+            writer_tp=early.tp_size,
+            payload=payload,
+        )
+        self._record(
+            "registered-early", recv.request_id, f"lease {writable.lease} to {early.engine}"
+        )
+
+    def _send(
+        self, rid: str, engine: str, host: str, port: int, *, writer_tp: int, payload: bytes
+    ) -> list[int]:
+        """Send ``payload`` to every writer rank that writes into this rank; their ranks."""
         writers = [
             q for q in range(writer_tp) if self._rank in holder_ranks(q, writer_tp, self._tp)
         ]
         for q in writers:
-            key = RegistrationKey(recv.request_id, track.ticket.holder_engine, q)
-            self._readers.register(key, track.host, track.port + q, payload)
+            self._readers.register(RegistrationKey(rid, engine, q), host, port + q, payload)
             self.registrations += 1
-        self._record(
-            "registered", recv.request_id, f"lease {writable.lease} to writer ranks {writers}"
-        )
+        return writers
 
     def revoke(self, now: float, rid: str, why: str) -> None:
         """End ``rid``'s writable lease now (freed at once, or once no write can land)."""

@@ -13,6 +13,12 @@
   (``finished_recving``): tell the worker to stop tracking; a request aborted
   before its read started aborts the lease, so the holder frees at once.
 
+Push mode, registered early: a request that carries its prefill engine's address but no
+ticket (a proxy sent it to the prefill engine and here at once) is not tracked -- there is
+no prefill lease yet -- but registered: at ``update_state_after_alloc`` this engine grants
+the writable lease on the allocated blocks and names them per KV cache group; the prefill
+engine pairs them with its own blocks when it finishes (spec/push-mode.md §7).
+
 Bidirectional turn 2 (P side): a request with ``do_remote_decode`` that also
 carries a decoder's ``remote_block_ids``, address and ticket is the next turn
 of a conversation whose KV the decoder kept. It is tracked the same way (the
@@ -34,18 +40,17 @@ from kvproto.errors import RemoteProtocolError
 from kvproto.ticket import PARAMS_KEY, LeaseTicket
 
 from .groups import (
-    FULL,
-    SLIDING_WINDOW,
+    NULL_BLOCK,
     SSM,
     BlockPairs,
     TransferGroups,
     block_ratio,
     last_parts,
-    pair_blocks,
+    plan_pairs,
     single_full_group,
 )
 from .holder_scheduler import MODE_KEY, READERS_KEY
-from .metadata import Recv, Track
+from .metadata import EarlyRegistration, Recv, Track
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -64,6 +69,17 @@ would keep the blocks until the lease lapses (vLLM #41269's symptom)."""
 
 TURN2_DONE_KEY = "_remote_blocks_processed"
 """Stock's kv_transfer_params flag: the turn-2 read of this request was planned."""
+
+
+@dataclass(slots=True)
+class _Early:
+    """A push request whose prefill engine has not finished (no ticket yet)."""
+
+    engine: str
+    host: str
+    port: int
+    tp_size: int
+    planned: bool = False
 
 
 @dataclass(slots=True)
@@ -103,6 +119,8 @@ class ReaderScheduler:
         self._threshold = recompute_threshold
         self._bidirectional = bidirectional
         self._tracked: dict[str, _Tracked] = {}
+        self._early: dict[str, _Early] = {}
+        """Push mode: requests registered before their prefill finished (no ticket yet)."""
         self._tracks: list[Track] = []
         self._recvs: list[Recv] = []
         self._finishes: list[str] = []
@@ -120,8 +138,11 @@ class ReaderScheduler:
         if not turn2 and not params.get("do_remote_prefill"):
             return
         rid = request.request_id
-        if rid in self._tracked:
+        if rid in self._tracked or rid in self._early:
             return  # vLLM calls this once per request; be safe on a re-add
+        if not turn2 and self._mint_writable is not None and PARAMS_KEY not in params:
+            self._on_early(rid, params)
+            return
         parsed = _parse(params, self._groups, self._tp_size, self._mode)
         if isinstance(parsed, str):
             self.untracked += 1
@@ -138,6 +159,17 @@ class ReaderScheduler:
         self._tracks.append(
             Track(request_id=rid, ticket=ticket, host=host, port=port, readers=_readers(params))
         )
+
+    def _on_early(self, rid: str, params: dict[str, Any]) -> None:
+        """A push request whose prefill engine has not finished: register early, or
+        prefill locally with the reason."""
+        parsed = _parse_early(params, self._groups, self._tp_size)
+        if isinstance(parsed, str):
+            self.untracked += 1
+            log.warning("request %s is prefilled locally: %s", rid, parsed)
+            params["do_remote_prefill"] = False
+            return
+        self._early[rid] = parsed
 
     def _is_turn2(self, params: dict[str, Any]) -> bool:
         """A turn-2 prefill that can read the decoder's kept blocks (stock's test)."""
@@ -158,9 +190,22 @@ class ReaderScheduler:
             return None if params.get(TURN2_DONE_KEY) else tracked
         return tracked if params.get("do_remote_prefill") else None
 
+    def _early_wanted(self, request: Request) -> _Early | None:
+        """The early registration of a request whose blocks are not allocated yet."""
+        early = self._early.get(request.request_id)
+        params = request.kv_transfer_params
+        if early is None or early.planned or not params or not params.get("do_remote_prefill"):
+            return None
+        return early
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
+        if self._early_wanted(request) is not None:
+            # The prefill engine computes the whole prompt (an SSM state: all but the last).
+            available = self._groups.tokens_to_load(int(request.num_prompt_tokens))
+            count = available - num_computed_tokens
+            return (count, True) if count > 0 and count >= self._threshold else (0, False)
         tracked = self._wanted(request)
         if tracked is None:
             return 0, False
@@ -184,38 +229,34 @@ class ReaderScheduler:
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
+        early = self._early_wanted(request)
+        if early is not None:
+            self._register_early(request, early, blocks, num_external_tokens)
+            return
         tracked = self._wanted(request)
         params = request.kv_transfer_params
         if tracked is None or params is None:
             return
         local: list[list[int]] = [[] for _ in tracked.remote_block_ids]
-        remote = [list(group) for group in tracked.remote_block_ids]
+        allocated: list[int] = []
         ratio, tail_parts, holder_blocks = tracked.ratio, 1, 0
         if num_external_tokens > 0:
             local = self._groups.clip(blocks.get_unhashed_block_ids_all_groups())
-            allocated = blocks.get_block_ids()
+            allocated = self._allocated(blocks)
             if ratio > 1:  # (an SSM-only engine has no block size: ratio 1)
                 tokens = self._available(tracked, request)
                 holder_blocks = -(-tokens // tracked.holder_block_size)
                 tail_parts = last_parts(tokens, tracked.holder_block_size, ratio)
-            for index, (gid, kind) in enumerate(
-                zip(self._groups.group_ids, self._groups.kinds, strict=True)
-            ):
-                n_alloc = len(allocated[gid]) if gid < len(allocated) else 0
-                # The holder's blocks may cover more tokens than this request loads
-                # (it decoded past the prompt, or a turn-2 prompt is shorter than D's
-                # whole conversation). Its block i holds the tokens of our block
-                # i // ratio, and the read takes the tail of the remote list, so it must
-                # end where ours ends.
-                if kind == FULL and ratio == 1 and 0 < n_alloc < len(remote[index]):
-                    remote[index] = remote[index][:n_alloc]
-                elif kind == FULL and ratio > 1 and n_alloc:
-                    remote[index] = remote[index][:holder_blocks]
         problem = None
-        windowed = [kind == SLIDING_WINDOW for kind in self._groups.kinds]
         try:
-            pairs = pair_blocks(
-                local, remote, ratio=ratio, tail_parts=tail_parts, windowed=windowed
+            pairs = plan_pairs(
+                self._groups,
+                local,
+                tracked.remote_block_ids,
+                allocated,
+                ratio=ratio,
+                tail_parts=tail_parts,
+                holder_blocks=holder_blocks,
             )
         except ValueError as exc:
             # Nothing is read; every local block is reported bad, so vLLM recomputes.
@@ -244,9 +285,49 @@ class ReaderScheduler:
         if tracked.turn2:
             params[TURN2_DONE_KEY] = True
 
+    def _register_early(
+        self, request: Request, early: _Early, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """Grant the writable lease on the allocated blocks and name them per group; the
+        prefill engine pairs them with its own. A full local hit registers nothing (the
+        prefill engine's unclaimed lease then lapses after its claim window)."""
+        params = request.kv_transfer_params
+        assert params is not None and self._mint_writable is not None
+        early.planned = True
+        params["do_remote_prefill"] = False
+        if num_external_tokens <= 0:
+            return
+        local = self._groups.clip(blocks.get_unhashed_block_ids_all_groups())
+        self._recvs.append(
+            Recv(
+                request_id=request.request_id,
+                local_block_ids=[b for group in local for b in group if b != NULL_BLOCK],
+                remote_block_ids=[],
+                awaiting=True,
+                writable=self._mint_writable(request.request_id),
+                early=EarlyRegistration(
+                    engine=early.engine,
+                    host=early.host,
+                    port=early.port,
+                    tp_size=early.tp_size,
+                    local_groups=local,
+                    allocated=self._allocated(blocks),
+                    block_size=self._groups.block_size,
+                ),
+            )
+        )
+
+    def _allocated(self, blocks: KVCacheBlocks) -> list[int]:
+        """Per transfer group, the blocks allocated to the request (hits included)."""
+        allocated = blocks.get_block_ids()
+        return [
+            len(allocated[gid]) if gid < len(allocated) else 0 for gid in self._groups.group_ids
+        ]
+
     def request_finished(self, request: Request) -> None:
         tracked = self._tracked.pop(request.request_id, None)
-        if tracked is not None:
+        early = self._early.pop(request.request_id, None)
+        if tracked is not None or (early is not None and early.planned):
             self._finishes.append(request.request_id)
             self._linger_until = time.monotonic() + ABORT_LINGER_S
 
@@ -256,7 +337,8 @@ class ReaderScheduler:
 
     def finished_recving(self, request_ids: set[str] | None) -> None:
         for rid in request_ids or ():
-            if self._tracked.pop(rid, None) is not None:
+            early = self._early.pop(rid, None)
+            if self._tracked.pop(rid, None) is not None or early is not None:
                 self._finishes.append(rid)
 
     # ------------------------------------------------------------ metadata
@@ -268,8 +350,8 @@ class ReaderScheduler:
         return out
 
     def is_tracked(self, request_id: str) -> bool:
-        """Whether a request is tracked (for tests)."""
-        return request_id in self._tracked
+        """Whether a request is tracked, or registered early (for tests)."""
+        return request_id in self._tracked or request_id in self._early
 
     def tracked_count(self) -> int:
         """Requests tracked now."""
@@ -331,6 +413,40 @@ def _parse(
             "only (an SSM state is one indivisible block)"
         )
     return ticket, host, port, blocks, remote_tokens, holder_block, ratio
+
+
+def _parse_early(params: dict[str, Any], groups: TransferGroups, tp_size: int) -> _Early | str:
+    """Where the prefill engine of an early push registration is, or why not usable."""
+    served = _served_modes(params.get(MODE_KEY))
+    if served is None or "push" not in served:
+        return (
+            f"no kvproto lease ticket, and {MODE_KEY} {params.get(MODE_KEY)!r} does not say "
+            "the prefill engine writes (a proxy that sends the request to both engines at "
+            "once gives the prefill engine's modes, address, engine id and tp_size)"
+        )
+    engine, host = params.get("remote_engine_id"), params.get("remote_host")
+    port = params.get("kvproto_side_channel_port", params.get("remote_port"))
+    p_tp = params.get("tp_size")
+    if not isinstance(engine, str) or not engine:
+        return "remote_engine_id missing"
+    if not isinstance(host, str) or not host:
+        return "remote_host missing"
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        return f"bad remote_port {port!r}"
+    if isinstance(p_tp, bool) or not isinstance(p_tp, int) or p_tp < 1:
+        return f"bad tp_size {p_tp!r}"
+    if max(p_tp, tp_size) % min(p_tp, tp_size):
+        return f"TP sizes {p_tp} (prefill) and {tp_size} (here) do not divide"
+    tp_problem = groups.hetero_tp_problem(tp_size, p_tp)
+    if tp_problem is not None:
+        return f"cannot write {tp_problem}"
+    block = params.get("remote_block_size", groups.block_size)
+    if block != groups.block_size:
+        return (
+            f"blocks of {block!r} tokens (prefill) and {groups.block_size} (here): a "
+            "registration before the prefill finished pairs equal blocks only"
+        )
+    return _Early(engine=engine, host=host, port=port, tp_size=p_tp)
 
 
 def _served_modes(raw: object) -> list[str] | None:

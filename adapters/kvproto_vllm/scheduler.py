@@ -117,6 +117,7 @@ class SchedulerSide:
         if self.holder_scheduler is not None:
             meta.incarnation = self.holder_scheduler.incarnation
             meta.grants = self.holder_scheduler.take_grants()
+            meta.prefills, meta.dropped = self.holder_scheduler.take_prefills()
         if self.reader_scheduler is not None:
             meta.tracks, meta.recvs, meta.finishes = self.reader_scheduler.take()
         return meta

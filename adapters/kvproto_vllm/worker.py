@@ -274,7 +274,11 @@ class WorkerSide:
                 record=self.record,
             )
             self.push_writer = PushWriter(
-                self.holder_worker, self.reader_worker, record=self.record
+                self.holder_worker,
+                self.reader_worker,
+                record=self.record,
+                groups=self.groups,
+                unknown_after_s=self.cfg.lease.kv_lease_duration,
             )
 
     def _pages(self, registered: KvLayout) -> PagedRegions | str:
@@ -312,7 +316,7 @@ class WorkerSide:
             return
         self._enter()
         now = time.monotonic()
-        if meta is not None and (meta.grants or meta.tracks or meta.recvs or meta.finishes):
+        if meta is not None and not meta.is_empty():
             self._active = True
             self._apply(now, meta)
             self._pump(now)  # always: orders may have queued frames (a finish's abort)
@@ -334,6 +338,8 @@ class WorkerSide:
             self.holder_worker.adopt(now, meta.grants)
         elif meta.grants and self.holder_worker is not None:
             self.holder_worker.adopt(now, meta.grants)  # refused: freed at once
+        if self.push_writer is not None and (meta.prefills or meta.dropped or meta.grants):
+            self.push_writer.on_orders(now, meta.prefills, meta.dropped, meta.grants)
         recvs = meta.recvs
         if self.push_holder is not None:
             pushed = [r for r in recvs if r.writable is not None]

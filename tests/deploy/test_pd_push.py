@@ -10,7 +10,12 @@ registers them with P, and P writes its KV into them (spec/push-mode.md §7).
    the holder a pull reader needs): its answer equals the baseline, its KV read from P; a
    push decoder handed a pull-only holder's parameters prefills locally with a WARNING that
    names both modes;
-3. P stopped (SIGSTOP) after its prefill answer and killed (``kill -9``) once D has granted
+3. behind the deployment's own proxy instead (examples/pd_cpu/push_proxy.py), which sends
+   each request to P and D at once: D registers its blocks before P has prefilled, P pairs
+   them with its own when it has them and writes; the answers equal the baseline, every
+   prompt token on D came from P, each registration was written once, and P ends its own
+   lease with the write (nobody reads it);
+4. P stopped (SIGSTOP) after its prefill answer and killed (``kill -9``) once D has granted
    and registered the blocks P was to write (the stopped P's kernel takes the registration,
    P never claims it): D's leases on them are freed within the transport's loss bound
    (counted from the killed tree's exit), and the request is answered by local prefill,
@@ -21,14 +26,16 @@ registers them with P, and P writes its KV into them (spec/push-mode.md §7).
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 
 import pytest
 
 from examples.pd_cpu.client import Answer, RequestFailed, chat, complete, metrics, prefill
-from examples.pd_cpu.cluster import Deployment, ModelSpec, free_port
+from examples.pd_cpu.cluster import Deployment, ModelSpec, Proc, free_port, wait_healthy
 from examples.pd_cpu.tiny_model import make_prompt
 
 from .baseline import Baseline
@@ -157,6 +164,57 @@ def test_one_push_prefill_serves_a_pull_decoder_too_and_a_mode_it_lacks_is_refus
     ]
     assert len(warned) == 1 and "WARNING" in warned[0], warned
     assert "serves transfer_mode pull, this engine runs 'push'" in warned[0], warned
+
+
+def test_a_proxy_sending_to_both_engines_at_once_gets_the_kv_written_early(
+    push_up: Deployment, baseline: Baseline
+) -> None:
+    model = str(push_up.model.path)
+    d_url, p_url = push_up.decode_spec.url, push_up.prefill_specs[0].url
+    # What the proxy must name to D: P's engine id and side channel (an operator pins the
+    # engine id in P's --kv-transfer-config; here one prefill's parameters say it).
+    known = prefill(p_url, model, "proxy: " + make_prompt(2))
+    port = free_port()
+    argv = [sys.executable, "-m", "examples.pd_cpu.push_proxy", "--port", str(port)]
+    argv += ["--prefill", p_url, "--prefill-engine-id", known["remote_engine_id"]]
+    argv += [
+        "--prefill-side-channel",
+        f"{known['remote_host']}:{known['kvproto_side_channel_port']}",
+    ]
+    argv += ["--decode", d_url]
+    proxy = Proc.start("push-proxy", argv, dict(os.environ), push_up.workdir / "push-proxy.log")
+    push_up.procs[proxy.name] = proxy
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proxy, url, 30.0)
+        wait_for(lambda: _settled(d_url) and _settled(p_url), LEASE_S + 5.0)
+        d_before, p_before = metrics(d_url), metrics(p_url)
+        cases = [(kind, stream) for kind in ("completion", "chat") for stream in (False, True)]
+        for i, (kind, stream) in enumerate(cases):
+            prompt = f"early {i}: " + make_prompt(4 + i)
+            ask = complete if kind == "completion" else chat
+            got = ask(url, model, prompt, max_tokens=MAX_TOKENS, stream=stream)
+            baseline.check(kind, prompt, MAX_TOKENS, got)
+        wait_for(lambda: _settled(d_url) and _settled(p_url), 10.0)
+        d_after, p_after = metrics(d_url), metrics(p_url)
+    finally:
+        push_up.procs.pop(proxy.name).stop()
+    prompt_tokens = _delta(d_after, d_before, "vllm:prompt_tokens_total")
+    external = _delta(d_after, d_before, "vllm:external_prefix_cache_hits_total")
+    assert prompt_tokens > 0 and external == prompt_tokens
+    push = "vllm:kvproto_push_"
+    assert _delta(d_after, d_before, push + "registrations_total") == len(cases)
+    assert _delta(p_after, p_before, push + "written_total") == len(cases)
+    assert _delta(d_after, d_before, f"{HOLDER}released_done_total") == len(cases)
+    assert _delta(p_after, p_before, f"{HOLDER}grants_total") == len(cases)
+    # Nobody reads P's own leases: P ended each with its write.
+    assert _delta(p_after, p_before, f"{HOLDER}revoked_total") == len(cases)
+    for side, after, before, name in [
+        ("D", d_after, d_before, "fenced_total"),
+        ("P", p_after, p_before, "write_failures_total"),
+        ("P", p_after, p_before, "bad_registrations_total"),
+    ]:
+        assert _delta(after, before, push + name) == 0, (side, name)
 
 
 def test_p_killed_after_d_registered_frees_ds_blocks_and_d_recomputes(

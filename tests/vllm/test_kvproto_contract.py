@@ -255,3 +255,72 @@ def test_any_served_modes_value_is_served_refused_or_malformed_never_an_exceptio
             assert got.startswith("malformed kvproto_transfer_mode")
         elif isinstance(raw, list) and mode not in raw:
             assert got.startswith("its prefill engine serves transfer_mode")
+
+
+EARLY = {
+    "do_remote_prefill": True,
+    "remote_engine_id": "P-1",
+    "remote_host": "10.0.0.7",
+    "remote_port": 5600,
+    "tp_size": 1,
+    "kvproto_transfer_mode": ["pull", "push"],
+}
+"""What a proxy that sends a request to both engines at once gives a push decoder."""
+
+
+def test_an_early_push_registration_names_where_its_prefill_engine_is() -> None:
+    """Without a ticket (P has not finished), a push decoder takes P's address from the
+    proxy's parameters; anything it cannot use is a reason, and the request recomputes."""
+    from kvproto_vllm.groups import single_full_group
+    from kvproto_vllm.reader_scheduler import _Early, _parse_early
+
+    groups = single_full_group(32)
+    assert _parse_early(EARLY, groups, 2) == _Early(
+        engine="P-1", host="10.0.0.7", port=5600, tp_size=1
+    )
+    assert _parse_early({**EARLY, "kvproto_side_channel_port": 5700}, groups, 1) == _Early(
+        engine="P-1", host="10.0.0.7", port=5700, tp_size=1
+    )
+    reasons = {
+        "kvproto_transfer_mode": ["pull"],
+        "remote_engine_id": "",
+        "remote_host": None,
+        "remote_port": 70000,
+        "tp_size": 3,
+        "remote_block_size": 16,
+    }
+    for key, bad in reasons.items():
+        got = _parse_early({**EARLY, key: bad}, groups, 2)
+        assert isinstance(got, str) and got, (key, got)
+
+
+@given(
+    st.dictionaries(
+        st.sampled_from([*sorted(EARLY), "remote_block_size"]),
+        st.none()
+        | st.booleans()
+        | st.integers(-2, 70000)
+        | st.text(max_size=3)
+        | st.lists(st.text(max_size=4), max_size=2),
+    )
+)
+def test_any_early_parameters_give_an_address_or_a_reason(changes: dict[str, Any]) -> None:
+    from kvproto_vllm.groups import single_full_group
+    from kvproto_vllm.reader_scheduler import _Early, _parse_early
+
+    got = _parse_early({**EARLY, **changes}, single_full_group(32), 1)
+    assert isinstance(got, _Early | str)
+    if isinstance(got, _Early):
+        assert got.engine and got.host and 0 < got.port < 65536 and got.tp_size >= 1
+
+
+def test_both_engines_name_a_request_by_the_id_they_were_given() -> None:
+    """vLLM appends "-" and 8 random characters to the id a request arrived with (each
+    engine its own); a registration names P's request by the id without them."""
+    from kvproto_vllm.push_registration import external_id
+
+    assert external_id("cmpl-abc-0-1f2e3d4c") == "cmpl-abc-0"
+    assert external_id("chatcmpl-x-9a8b7c6d") == "chatcmpl-x"
+    assert external_id("early-0123abcd") == "early"
+    assert external_id("cmpl-abc-0") == "cmpl-abc-0"  # randomization off: left alone
+    assert external_id("12345678") == "12345678"

@@ -280,6 +280,14 @@ def _registration_fields(draw: st.DrawFn) -> dict[str, Any]:
     if "holder_parts" not in fields and draw(st.booleans()):
         wrong = st.lists(st.integers(-1, 3), min_size=max(0, n - 1), max_size=n + 1)
         fields["holder_parts"] = draw(wrong)
+    if draw(st.booleans()):
+        # Early (before P's prefill finished): D's groups instead of pairs.
+        groups = draw(st.lists(st.lists(st.integers(-1, 9), max_size=3), min_size=1, max_size=3))
+        fields["holder_groups"] = groups
+        fields["allocated"] = [len(g) + draw(st.sampled_from([0, 0, 1, -1])) for g in groups]
+        fields["block_size"] = draw(st.sampled_from([32, 0, -1]))
+        if draw(st.integers(0, 4)):
+            fields["holder_blocks"] = fields["writer_blocks"] = []
     return fields
 
 
@@ -290,6 +298,16 @@ def test_any_registration_bytes_decode_to_a_consistent_one_or_none(data: bytes) 
     if reg is None:
         return
     assert reg.ticket == _TICKET and reg.writer_request_id and 0 < reg.port < 65536
+    if reg.early:
+        # No pairs: P pairs D's groups with its blocks (a group's blocks fit its allocation).
+        assert not (reg.holder_blocks or reg.writer_blocks or reg.holder_parts)
+        assert reg.parts == 1 and reg.block_size >= 0
+        assert len(reg.allocated) == len(reg.holder_groups)
+        assert all(
+            n >= len(g) and min(g, default=0) >= 0
+            for n, g in zip(reg.allocated, reg.holder_groups, strict=True)
+        )
+        return
     assert len(reg.holder_blocks) == len(reg.writer_blocks) > 0
     assert min(reg.holder_blocks + reg.writer_blocks) >= 0
     assert reg.parts >= 1
