@@ -141,16 +141,16 @@ class ReaderScheduler:
         if rid in self._tracked or rid in self._early:
             return  # vLLM calls this once per request; be safe on a re-add
         if not turn2 and self._mint_writable is not None and PARAMS_KEY not in params:
-            self._on_early(rid, params)
+            # Push, registered before its prefill finished (no ticket yet).
+            early = _parse_early(params, self._groups, self._tp_size)
+            if isinstance(early, str):
+                self._prefill_locally(rid, params, early, turn2=False)
+            else:
+                self._early[rid] = early
             return
         parsed = _parse(params, self._groups, self._tp_size, self._mode)
         if isinstance(parsed, str):
-            self.untracked += 1
-            what = "the turn-2 prefix of request" if turn2 else "request"
-            log.warning("%s %s is prefilled locally: %s", what, rid, parsed)
-            params["do_remote_prefill"] = False
-            if turn2:
-                params[TURN2_DONE_KEY] = True
+            self._prefill_locally(rid, params, parsed, turn2=turn2)
             return
         ticket, host, port, remote_blocks, remote_tokens, holder_block, ratio = parsed
         self._tracked[rid] = _Tracked(
@@ -160,16 +160,14 @@ class ReaderScheduler:
             Track(request_id=rid, ticket=ticket, host=host, port=port, readers=_readers(params))
         )
 
-    def _on_early(self, rid: str, params: dict[str, Any]) -> None:
-        """A push request whose prefill engine has not finished: register early, or
-        prefill locally with the reason."""
-        parsed = _parse_early(params, self._groups, self._tp_size)
-        if isinstance(parsed, str):
-            self.untracked += 1
-            log.warning("request %s is prefilled locally: %s", rid, parsed)
-            params["do_remote_prefill"] = False
-            return
-        self._early[rid] = parsed
+    def _prefill_locally(self, rid: str, params: dict[str, Any], why: str, *, turn2: bool) -> None:
+        """Leave the request untracked, to be prefilled here, with the reason logged."""
+        self.untracked += 1
+        what = "the turn-2 prefix of request" if turn2 else "request"
+        log.warning("%s %s is prefilled locally: %s", what, rid, why)
+        params["do_remote_prefill"] = False
+        if turn2:
+            params[TURN2_DONE_KEY] = True
 
     def _is_turn2(self, params: dict[str, Any]) -> bool:
         """A turn-2 prefill that can read the decoder's kept blocks (stock's test)."""
@@ -204,12 +202,12 @@ class ReaderScheduler:
         if self._early_wanted(request) is not None:
             # The prefill engine computes the whole prompt (an SSM state: all but the last).
             available = self._groups.tokens_to_load(int(request.num_prompt_tokens))
-            count = available - num_computed_tokens
-            return (count, True) if count > 0 and count >= self._threshold else (0, False)
-        tracked = self._wanted(request)
-        if tracked is None:
-            return 0, False
-        count = self._available(tracked, request) - num_computed_tokens
+        else:
+            tracked = self._wanted(request)
+            if tracked is None:
+                return 0, False
+            available = self._available(tracked, request)
+        count = available - num_computed_tokens
         if count <= 0 or count < self._threshold:
             return 0, False  # nothing worth reading: update_state_after_alloc frees P at once
         return count, True
