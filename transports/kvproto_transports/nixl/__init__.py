@@ -9,10 +9,17 @@ from __future__ import annotations
 from ..tensor_layout import layout_from_tensors, memory_kind_of
 from ._library import nixl_available
 from .errors import LayoutMismatch, RegistrationError, WrongThread
-from .transport import DEFAULT_MAX_NOTIFICATION_SIZE, PROBE_PAYLOAD, NixlStats, NixlTransport
+from .transport import (
+    DEFAULT_MAX_NOTIFICATION_SIZE,
+    DEFAULT_PROGRESS_WAIT_US,
+    PROBE_PAYLOAD,
+    NixlStats,
+    NixlTransport,
+)
 
 __all__ = [
     "DEFAULT_MAX_NOTIFICATION_SIZE",
+    "DEFAULT_PROGRESS_WAIT_US",
     "PROBE_PAYLOAD",
     "LayoutMismatch",
     "NixlStats",

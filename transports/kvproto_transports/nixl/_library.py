@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,8 @@ class NixlApi:
     """``nixlRemoteDisconnectError``: the peer's process or endpoint is gone."""
     error_types: tuple[type[BaseException], ...]
     """Every ``nixl*Error`` class of the bindings (they derive from Exception only)."""
+    bindings: Any
+    """The ``_bindings`` module ``agent_cls`` builds its ``nixlAgentConfig`` from."""
 
 
 _loaded: dict[str, NixlApi] = {}  # one entry once NIXL was imported
@@ -73,6 +76,7 @@ def load_nixl() -> NixlApi:
             config_cls=api.nixl_agent_config,
             disconnect_error=bindings.nixlRemoteDisconnectError,
             error_types=errors,
+            bindings=bindings,
         )
         return _loaded["api"]
     raise ImportError(f"NIXL is not importable ({'; '.join(reasons)})")
@@ -84,3 +88,39 @@ def nixl_available() -> tuple[bool, str]:
         return True, load_nixl().module
     except ImportError as exc:
         return False, str(exc)
+
+
+_config_swap = threading.Lock()
+
+
+def make_agent(api: NixlApi, name: str, config: Any, *, progress_wait_us: int) -> Any:
+    """``api.agent_cls(name, config)`` with the progress thread's wait set to ``progress_wait_us``.
+
+    NIXL's UCX progress thread sleeps in ``poll`` on its workers' event file
+    descriptors, at most ``pthrDelay`` (rounded up to whole milliseconds: a
+    periodic wake-up, NIXL's workaround for a UCX event it can miss) before it
+    passes over them again; an arriving message wakes it at once. NIXL's Python
+    API fixes ``pthrDelay`` at 0, so ``poll`` never sleeps and the thread spins a
+    core (0.99 CPU-s per s idle here, against 0.005 with 10 ms). The C++ config
+    has the field; the Python one does not pass it, so the config class the
+    agent constructor builds is swapped, for this construction only, for one
+    that keeps ``progress_wait_us`` whatever the constructor writes.
+    """
+    base = api.bindings.nixlAgentConfig
+    wait = int(progress_wait_us)
+
+    class _Config(base):  # type: ignore[misc, valid-type]
+        @property
+        def pthrDelay(self) -> int:
+            return int(base.pthrDelay.__get__(self))
+
+        @pthrDelay.setter
+        def pthrDelay(self, _value: int) -> None:
+            base.pthrDelay.__set__(self, wait)
+
+    with _config_swap:
+        api.bindings.nixlAgentConfig = _Config
+        try:
+            return api.agent_cls(name, config)
+        finally:
+            api.bindings.nixlAgentConfig = base

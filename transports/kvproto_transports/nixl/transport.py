@@ -61,7 +61,7 @@ from kvproto.transport import (
 
 from ..read_args import check_block_counts, check_notify, check_regions, region_spans
 from ..transfers import Transfers, count, outcome
-from ._library import NixlApi, load_nixl
+from ._library import NixlApi, load_nixl, make_agent
 from .descriptor_ids import DescriptorIds
 from .errors import RegistrationError, WrongThread
 from .wire import (
@@ -88,6 +88,10 @@ DEFAULT_MAX_NOTIFICATION_SIZE = 1 << 20
 """1 MiB. UCX itself carried 16 MiB notifications here; the cap keeps one
 notification from monopolising the progress thread and matches no backend
 limit (UCCL's is 256 B: pass ``max_notification_size=256`` for it)."""
+DEFAULT_PROGRESS_WAIT_US = 10_000
+"""10 ms: the progress thread's periodic wake-up when nothing arrives (a message wakes it
+at once). Idle, it costs 0.005 CPU-s per s here, 0.03 at 1 ms; a READ of a holder whose
+own thread sleeps took 0.05 ms at the median either way."""
 
 _INIT_AGENT = "NIXL_INIT_AGENT"
 
@@ -174,6 +178,7 @@ class NixlTransport(Transfers):
         auto_probe_interval_s: float | None = None,
         filter_probes: bool = True,
         progress_thread: bool | None = None,
+        progress_wait_us: int = DEFAULT_PROGRESS_WAIT_US,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """Create the agent (named ``{name_prefix}-{random}``: a new name per incarnation).
@@ -183,12 +188,21 @@ class NixlTransport(Transfers):
         even when the binding has nothing to send to it.
 
         ``progress_thread``: NIXL's UCX progress thread (the NIXL default, and
-        vLLM's) lets a holder serve READs while it is busy, but it spins one
-        CPU core per agent. Without it (``False``) transfers and notifications
-        progress only inside this endpoint's calls, so the holder must
-        ``poll`` every tick: measured here, a 4 MiB READ took 14.5 ms with the
-        thread and 1.47 s against a holder that slept 1.5 s without it.
-        ``None`` reads ``KVPROTO_NIXL_PROGRESS_THREAD`` (``0`` = off), default on.
+        vLLM's) lets a holder serve READs while it is busy. Without it
+        (``False``) transfers and notifications progress only inside this
+        endpoint's calls, so the holder must ``poll`` every tick: measured
+        here, a 4 MiB READ took 14.5 ms with the thread and 1.47 s against a
+        holder that slept 1.5 s without it. Over TCP a READ is emulated (the
+        holder's UCX sends the data back), and a holder that does not progress
+        while READs of a peer that dies queue in its socket is aborted by UCX
+        when it answers them (``ucp_request.inl: Fatal: unexpected error:
+        Endpoint timeout``; tests/transports/nixl/test_nixl_busy_holder.py): the
+        thread answers them as they arrive. ``None`` reads
+        ``KVPROTO_NIXL_PROGRESS_THREAD`` (``0`` = off), default on.
+
+        ``progress_wait_us``: the longest the progress thread sleeps when no
+        message wakes it (NIXL's ``pthrDelay``; :func:`._library.make_agent`).
+        NIXL's Python API leaves it at 0, a thread that spins a core per agent.
         """
         self._api: NixlApi = load_nixl()
         self._owner = threading.get_ident()
@@ -197,8 +211,12 @@ class NixlTransport(Transfers):
             progress_thread = os.environ.get("KVPROTO_NIXL_PROGRESS_THREAD", "1") != "0"
         self.progress_thread = progress_thread
         """Whether NIXL's progress thread runs (see the constructor)."""
+        if progress_wait_us < 0:
+            raise LocalProtocolError(f"progress_wait_us must be >= 0, not {progress_wait_us}")
         config = self._api.config_cls(enable_prog_thread=progress_thread, backends=list(backends))
-        self._agent: Any = self._api.agent_cls(self._name, config)
+        self._agent: Any = make_agent(
+            self._api, self._name, config, progress_wait_us=progress_wait_us
+        )
         self._max = max_notification_size
         self._probe_interval = auto_probe_interval_s
         self._filter_probes = filter_probes
