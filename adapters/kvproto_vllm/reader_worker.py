@@ -375,6 +375,8 @@ class ReaderWorker(LoadReports):
             self._record("confirmed", rid, f"{len(read.recv.local_block_ids)} blocks")
         else:
             self._record("failed", rid, failure)
+            if not read.aborted:
+                log.info("request %s: load failed (%s): vLLM recomputes it", rid, failure)
         if not read.recv.awaiting:
             return  # full local hit: the request never waited for us
         self._recving.add(rid)

@@ -398,6 +398,13 @@ class WorkerSide:
         bad = self.reader_worker.take_bad_blocks() if self.reader_worker is not None else set()
         if self.push_holder is not None:
             bad |= self.push_holder.take_bad_blocks()
+        if self.groups.num_groups > 1:
+            # Block ids are per KV cache group, so vLLM cannot map a flat set of them back
+            # to requests: with more than one group it stops the engine on any
+            # (scheduler._handle_invalid_blocks, "not supported for models with multiple
+            # KV cache groups"). Those requests are in failed_recving too, which vLLM
+            # recomputes (or fails, by the policy) whole.
+            return set()
         return bad
 
     def _pump(self, now: float) -> None:

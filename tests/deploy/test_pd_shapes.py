@@ -16,6 +16,9 @@ engine and shape, every check on it:
   SSM model backs off, as stock does -- the rest came from P
   (``external_kv_transfer``) or D's own cache (a prompt extending an earlier
   one is a partial local hit on D) -- and kvproto confirmed every read;
+* a request sent to D with a garbled ticket is recomputed, equal to the
+  baseline (with two KV cache groups vLLM accepts a failed load only as
+  ``failed_recving``; a block-level report stops its engine);
 * every kvproto lease ends DONE; for the sliding-window model (two KV cache
   groups under each lease), D killed with claims out frees P's leases
   PEER_LOST at once.
@@ -35,7 +38,15 @@ from pathlib import Path
 
 import pytest
 
-from examples.pd_cpu.client import Answer, RequestFailed, chat, complete, metric_where, metrics
+from examples.pd_cpu.client import (
+    Answer,
+    RequestFailed,
+    chat,
+    complete,
+    metric_where,
+    metrics,
+    prefill,
+)
 from examples.pd_cpu.cluster import (
     Deployment,
     ModelSpec,
@@ -87,6 +98,8 @@ class Outcome:
     prompt_tokens: float = 0.0
     confirmed: float = 0.0
     ended: dict[str, float] = field(default_factory=dict)
+    recomputed: float = 0.0
+    """Loads D reported failed (the garbled ticket's)."""
 
 
 def _prompts() -> list[tuple[str, str, bool]]:
@@ -133,6 +146,7 @@ def _serve(connector: str, model: ModelSpec, workdir: Path, *, kill: bool) -> Ou
         out.computed = metric_where(d_url, name, source="local_compute")
         out.prompt_tokens = _counter(d_url, "vllm:prompt_tokens_total")
         if connector == "kvproto":
+            out.recomputed = _garbled_ticket_recomputed(pd, baseline)
             held = "vllm:kvproto_holder_leases_held"
             wait_for(lambda: _counter(p_url, held) == 0, 15.0)
             out.confirmed = _counter(d_url, "vllm:kvproto_reader_reads_confirmed_total")
@@ -140,6 +154,22 @@ def _serve(connector: str, model: ModelSpec, workdir: Path, *, kill: bool) -> Ou
             if kill:
                 _kill_decode_with_claims_out(pd, baseline)
     return out
+
+
+def _garbled_ticket_recomputed(pd: Deployment, baseline: Baseline) -> float:
+    """A request sent to D with a ticket whose token is wrong: its load fails, and D
+    recomputes it and answers as the plain engine does. With more than one KV cache group
+    vLLM takes a failed load only as ``failed_recving`` (block ids are per group: a
+    block-level report stops its engine). Returns D's count of failed loads."""
+    path = str(pd.model.path)
+    prompt = "garbled: " + _prompts()[1][1]
+    params = prefill(pd.prefill_specs[0].url, path, prompt)
+    params["kvproto"] = {**params["kvproto"], "token": "00" * 16}
+    got = complete(
+        pd.decode_spec.url, path, prompt, max_tokens=MAX_TOKENS, kv_transfer_params=params
+    )
+    baseline.check("completion", prompt, MAX_TOKENS, got)
+    return _counter(pd.decode_spec.url, "vllm:kvproto_reader_failed_recving_total")
 
 
 def _ends(p_url: str) -> dict[str, float]:
@@ -247,4 +277,7 @@ def test_shape_over_http_like_stock(
     if stock is not None:
         assert (kv.external, kv.computed) == (stock.external, stock.computed)
     assert kv.confirmed == n
-    assert kv.ended["released_done"] == n and kv.ended["expired"] == 0, kv.ended
+    assert kv.recomputed == 1, kv.recomputed
+    # The garbled ticket's lease is never claimed: it expires one lease duration after
+    # its grant, which may fall after this count.
+    assert kv.ended["released_done"] == n and kv.ended["expired"] <= 1, kv.ended
