@@ -85,8 +85,12 @@ def test_the_progress_thread_sleeps_when_idle() -> None:
     """NIXL's own configuration spins the thread (about one CPU-s per s); kvproto's waits
     up to ``progress_wait_us`` between passes (0.005 CPU-s per s measured here)."""
     from kvproto_transports.nixl import NixlTransport
+    from kvproto_transports.nixl._library import load_nixl
 
+    bindings = load_nixl().bindings
+    config_cls = bindings.nixlAgentConfig
     transport = NixlTransport(progress_thread=True)
+    assert bindings.nixlAgentConfig is config_cls  # swapped for the construction only
     try:
         start = time.process_time()
         time.sleep(1.0)
