@@ -77,6 +77,12 @@ class AdapterConfig:
     pair must use the same one (it is part of the handshake compat hash)."""
     backends: tuple[str, ...] = ("UCX",)
     """NIXL backends (stock key ``backends``); unused with another ``kv_transport``."""
+    nixl_progress_thread: bool = True
+    """Run NIXL's progress thread (with a wait between passes: it does not spin). Over TCP
+    it answers a reader's READs while the engine step computes, which keeps UCX from
+    aborting a holder that answers a dead reader's queued READs late
+    (spec/nixl-transport.md, "Progress"). ``False``: transfers move only inside the
+    worker's calls, once per step."""
     probe_interval_s: float | None = DEFAULT_PROBE_INTERVAL_S
     """How often the worker probes its transport peers so a dead peer surfaces as PeerLost
     (a holder then frees at once instead of at lease expiry); None disables probing.
@@ -141,6 +147,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> AdapterConfig:
         lease=lease,
         kv_transport=_kv_transport(own.get("kv_transport", KV_TRANSPORTS[0]), lease),
         backends=_backends(own.get("backends", ("UCX",))),
+        nixl_progress_thread=_flag("nixl_progress_thread", own.get("nixl_progress_thread", True)),
         probe_interval_s=_optional_positive(
             "probe_interval_s", own.get("probe_interval_s", DEFAULT_PROBE_INTERVAL_S)
         ),
@@ -229,6 +236,12 @@ def _port(value: Any) -> int | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536:
         raise ConfigError(f"kvproto_side_channel_port must be a TCP port, got {value!r}")
+    return value
+
+
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be true or false, got {value!r}")
     return value
 
 

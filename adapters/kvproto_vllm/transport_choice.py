@@ -67,7 +67,7 @@ def _nixl(cfg: AdapterConfig, name_prefix: str) -> ChosenTransport:
         # TCP it answers a reader's READs while the engine step computes, where UCX would
         # abort a holder that answered a dead reader's queued READs late (NixlTransport's
         # progress_thread). The worker still polls every step for its events.
-        progress_thread=True,
+        progress_thread=cfg.nixl_progress_thread,
         auto_probe_interval_s=cfg.probe_interval_s,
     )
     return ChosenTransport(

@@ -181,6 +181,8 @@ def test_extra_config() -> None:
     assert cfg.lease.auth_secret == b"x" * 16 and cfg.side_channel_secret == b"x" * 16
     assert parse_extra_config({"accept_legacy": True}).lease.accept_legacy
     assert parse_extra_config({"kvproto_side_channel_port": 7000}).kvproto_side_channel_port == 7000
+    assert parse_extra_config({}).nixl_progress_thread
+    assert not parse_extra_config({"nixl_progress_thread": False}).nixl_progress_thread
     bad_configs: tuple[dict[str, Any], ...] = (
         {"kv_lease_duration": 3},  # heartbeat interval 0
         {"no_such_key": 1},
@@ -191,6 +193,7 @@ def test_extra_config() -> None:
         {"enforce_handshake_compat": False},
         {"kvproto_side_channel_port": 70000},
         {"transfer_mode": "write"},
+        {"nixl_progress_thread": "no"},
     )
     for bad in bad_configs:
         with pytest.raises(ConfigError):

@@ -58,6 +58,9 @@ def push_worker(cfg: Any, engine: str, *, prefill: bool) -> tuple[WorkerSide, di
             "kvproto_side_channel_port": free_port(),
             "transfer_mode": "push",
             "kv_lease_duration": LEASE_S,
+            # The stalled write needs a P whose WRITE moves only inside its calls: NIXL's
+            # progress thread would finish it while the test holds P's steps back.
+            "nixl_progress_thread": False,
         }
     )
     side = WorkerSide(cfg, adapter, engine_id=engine, num_blocks=NUM_BLOCKS, holds=True, reads=True)
