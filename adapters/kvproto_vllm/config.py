@@ -246,13 +246,12 @@ def _flag(name: str, value: Any) -> bool:
 
 
 def _bidirectional(value: Any, lease: LeaseConfig) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"bidirectional_kv_xfer must be true or false, got {value!r}")
-    if value and lease.accept_legacy:
+    on = _flag("bidirectional_kv_xfer", value)
+    if on and lease.accept_legacy:
         # A stock engine's turn-2 read carries no ticket and gets no verdict; the mix
         # is untested, so it is refused rather than half-working.
         raise ConfigError("bidirectional_kv_xfer cannot be combined with accept_legacy")
-    return value
+    return on
 
 
 def _optional_positive(name: str, value: Any) -> float | None:
