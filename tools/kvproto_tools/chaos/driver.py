@@ -175,7 +175,17 @@ def _deployment(cluster: ModuleType, model: Any, work: Path, lan: Lan, lease_s: 
         # PYTHONFAULTHANDLER: a worker that dies of a signal (a native crash in a transport
         # library, say) prints every thread's Python stack to its log; without it a
         # prefill worker once vanished mid-run with nothing in its log.
-        extra_env={**transport_env(BACK), "PYTHONFAULTHANDLER": "1"},
+        # ONEDNN_PRIMITIVE_CACHE_CAPACITY=0: vLLM's CPU linear layers build a oneDNN
+        # primitive per batch shape and keep the last 32 per layer themselves; oneDNN's
+        # own cache (1,024 by default) keeps evicted ones too, and filling it takes a
+        # prefill engine about half an hour of this load: growth the memory judge
+        # would charge to kvproto. Off, a plain engine's heap is flat after a few
+        # hundred prefills (spec/chaos.md, "Memory of a plain engine").
+        extra_env={
+            **transport_env(BACK),
+            "PYTHONFAULTHANDLER": "1",
+            "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0",
+        },
         router_extra=["--prefill-policy", "round_robin"],
         wrap={**wrap, "router": lan.hub.wrap},
     )
