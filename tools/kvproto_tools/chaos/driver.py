@@ -52,6 +52,8 @@ KILLS_UNTIL = 0.5
 """Kills start only in the first half of the load: each engine's last incarnation then
 serves long enough for its memory to be judged over a steady stretch (checker: the second
 half of its serving time, at least 5 minutes, so in runs of 20 minutes or more)."""
+MAX_MODEL_LEN = 1024
+"""The engines' context (the tiny Llama's prompts and answers fit in it)."""
 HISTORY_FILE, BASELINE_FILE = "history.json", "baseline.json"
 """What a run leaves in its output folder for the checker (besides the report and plot)."""
 
@@ -108,7 +110,7 @@ def run(options: Options, say: Callable[[str], None]) -> Outcome:
     model_dir = work / "tiny-llama"
     if not (model_dir / "config.json").is_file():
         tiny.build_tiny_llama(model_dir)
-    model = cluster.ModelSpec(path=model_dir.resolve(), max_model_len=1024)
+    model = cluster.ModelSpec(path=model_dir.resolve(), max_model_len=MAX_MODEL_LEN)
     plan = options.plan(tuple(tiny.CORPUS))
     history = History(
         plan=plan,

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvproto_tools.bench.engine_suites import SuiteUnavailable, pd_cpu
+from kvproto_tools.chaos.driver import MAX_MODEL_LEN
 
 CHECKPOINTS = (60, 120, 250, 500, 1000, 1500, 2000, 3000, 4000)
 """Requests after which each configuration's heap is reported."""
@@ -105,13 +106,16 @@ def _child(model: str, lengths: str, requests: int) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
+    # The chaos run's engine (examples/pd_cpu's flags), but for the prefix cache: a prefix
+    # hit would skip the very computation whose batch sizes this is about.
+    spec = pd_cpu("cluster").ModelSpec(path=Path(model), max_model_len=MAX_MODEL_LEN)
     llm = LLM(
         model=model,
         dtype="float32",
         enforce_eager=True,
-        block_size=32,
-        max_model_len=1024,
-        max_num_seqs=16,
+        block_size=spec.block_size,
+        max_model_len=spec.max_model_len,
+        max_num_seqs=spec.max_num_seqs,
         seed=0,
         enable_prefix_caching=False,
     )
@@ -137,9 +141,11 @@ def _child(model: str, lengths: str, requests: int) -> None:
 
 def measure(config: Config, model: Path, requests: int) -> list[dict[str, float]]:
     """The checkpoints of ``config``, measured in a new process."""
-    # 1 GiB of KV cache, as examples/pd_cpu's engines: vLLM's CPU default takes most of
-    # the machine's memory.
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1")
+    # The KV cache of examples/pd_cpu's engines: vLLM's CPU default takes most of the
+    # machine's memory.
+    kv_gib = pd_cpu("cluster").ModelSpec(path=model).kv_cache_gib
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_gib)
     env.pop(CACHE_ENV, None)
     if config.cache is not None:
         env[CACHE_ENV] = config.cache
