@@ -33,6 +33,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvproto_tools.bench.engine_suites import SuiteUnavailable, pd_cpu
 from kvproto_tools.chaos.driver import MAX_MODEL_LEN
@@ -101,6 +102,11 @@ def heap_mib() -> tuple[float, float]:
     return info.uordblks / 2**20, info.fordblks / 2**20
 
 
+def _model_spec(model: Path) -> Any:
+    """The chaos run's engine settings for ``model`` (examples/pd_cpu's ``ModelSpec``)."""
+    return pd_cpu("cluster").ModelSpec(path=model, max_model_len=MAX_MODEL_LEN)
+
+
 def _child(model: str, lengths: str, requests: int) -> None:
     """Run the engine in this process; print one JSON line per checkpoint."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -108,7 +114,7 @@ def _child(model: str, lengths: str, requests: int) -> None:
 
     # The chaos run's engine (examples/pd_cpu's flags), but for the prefix cache: a prefix
     # hit would skip the very computation whose batch sizes this is about.
-    spec = pd_cpu("cluster").ModelSpec(path=Path(model), max_model_len=MAX_MODEL_LEN)
+    spec = _model_spec(Path(model))
     llm = LLM(
         model=model,
         dtype="float32",
@@ -134,8 +140,8 @@ def _child(model: str, lengths: str, requests: int) -> None:
         done += len(batch)
         while marks and done >= marks[0]:
             in_use, free = heap_mib()
-            line = {"at": marks.pop(0), "in_use": in_use, "free": free}
-            line["seconds"] = time.monotonic() - started
+            seconds = time.monotonic() - started
+            line = {"at": marks.pop(0), "in_use": in_use, "free": free, "seconds": seconds}
             print(json.dumps(line), flush=True)
 
 
@@ -143,9 +149,8 @@ def measure(config: Config, model: Path, requests: int) -> list[dict[str, float]
     """The checkpoints of ``config``, measured in a new process."""
     # The KV cache of examples/pd_cpu's engines: vLLM's CPU default takes most of the
     # machine's memory.
-    kv_gib = pd_cpu("cluster").ModelSpec(path=model).kv_cache_gib
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_gib)
+    env["VLLM_CPU_KVCACHE_SPACE"] = str(_model_spec(model).kv_cache_gib)
     env.pop(CACHE_ENV, None)
     if config.cache is not None:
         env[CACHE_ENV] = config.cache
